@@ -1,0 +1,175 @@
+"""Per-device lock: lease + fencing token + FIFO hand-off, atomic in Redis (Lua in lua/).
+
+A device executes one command at a time. `device_lock_acquire` grants the lock with a new
+fencing token, or puts the caller in the device's wait queue (priority, then arrival).
+`device_lock_release` by the current holder hands the lock straight to the head of the
+queue and returns that grant, so the caller can dispatch the next holder at once: nobody
+polls and no worker waits.
+
+How it fails: Redis being unreachable raises redis.RedisError to the caller (the task is
+retried or the monitor rescues the step). A holder that dies keeps the lock until its
+lease expires; the monitor then reclaims it. A release by a stale holder (wrong fence) is
+refused and changes nothing. The database stays the authority on which attempt is
+current: the fence is stored on the step row and replies are checked against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from iotqueue.redis_conn import redis_connection, redis_key
+
+log = logging.getLogger(__name__)
+
+LUA_DIR = Path(__file__).with_name("lua")
+
+# Lease given to a holder that was handed the lock by someone else's release, until its
+# own dispatch extends it to the step's deadline; long enough for a busy worker to pick
+# up the hand-off, short enough that a lost hand-off is reclaimed quickly.
+HANDOFF_LEASE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The lock is held by `holder` under fencing token `fence`."""
+
+    holder: str
+    fence: int
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The caller waits in the device's queue at `position` (1 = next)."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class LockState:
+    device: str
+    holder: str | None
+    fence: int | None
+    since_ms: int | None
+    lease_until_ms: int | None
+    queue: list[str]
+
+
+@functools.cache
+def _script(name: str):
+    return redis_connection().register_script((LUA_DIR / f"{name}.lua").read_text())
+
+
+def _keys(device: str) -> dict[str, str]:
+    # The {device} hash tag keeps one device's keys in one Redis Cluster slot.
+    tag = "{" + device + "}"
+    return {
+        "lock": redis_key("lock", tag),
+        "fence": redis_key("fence", tag),
+        "queue": redis_key("queue", tag),
+        "leases": redis_key("leases"),
+        "seq": redis_key("queue-seq"),
+    }
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def device_lock_acquire(device: str, *, holder: str, priority: int, lease_seconds: float) -> Grant | Queued:
+    """Take the device's lock, or join its wait queue (idempotent for the same holder)."""
+    k = _keys(device)
+    granted, value = _script("acquire")(
+        keys=[k["lock"], k["fence"], k["queue"], k["leases"], k["seq"]],
+        args=[holder, priority, _ms(lease_seconds), device],
+    )
+    return Grant(holder, int(value)) if granted else Queued(int(value))
+
+
+def device_lock_release(
+    device: str, *, holder: str, fence: int, lease_seconds: float = HANDOFF_LEASE_SECONDS, force: bool = False
+) -> Grant | None:
+    """Release the lock and hand it to the next waiter; return that waiter's grant.
+
+    Returns None when the lock is now free or when the caller no longer held it (a stale
+    release changes nothing). `force` releases whoever holds it (operator, monitor).
+    """
+    k = _keys(device)
+    reply = _script("release")(
+        keys=[k["lock"], k["fence"], k["queue"], k["leases"]],
+        args=[holder, fence, _ms(lease_seconds), device, "force" if force else ""],
+    )
+    if reply[0] == 1:
+        return Grant(reply[1], int(reply[2]))
+    return None
+
+
+def device_lock_extend(device: str, *, holder: str, fence: int, lease_seconds: float) -> bool:
+    """Push the lease out to now + lease_seconds; False when the caller lost the lock."""
+    k = _keys(device)
+    return bool(_script("extend")(keys=[k["lock"], k["leases"]], args=[holder, fence, _ms(lease_seconds), device]))
+
+
+def device_lock_dequeue(device: str, *, holder: str) -> bool:
+    """Leave the device's wait queue (e.g. the run was canceled); False if not queued."""
+    return bool(redis_connection().zrem(_keys(device)["queue"], holder))
+
+
+def device_lock_state(device: str) -> LockState:
+    """Who holds the device's lock, since when, until when, and who waits (in order)."""
+    k = _keys(device)
+    conn = redis_connection()
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hgetall(k["lock"])
+        pipe.zscore(k["leases"], device)
+        pipe.zrange(k["queue"], 0, -1)
+        lock, lease, queue = pipe.execute()
+    return LockState(
+        device=device,
+        holder=lock.get("holder"),
+        fence=int(lock["fence"]) if "fence" in lock else None,
+        since_ms=int(lock["since"]) if "since" in lock else None,
+        lease_until_ms=int(lease) if lease is not None else None,
+        queue=list(queue),
+    )
+
+
+# --- hand-off ---------------------------------------------------------------------------
+# A holder is "<kind>:<id>" (e.g. "step:42"). Whoever releases a lock does not know what
+# the next holder is; the app that owns that kind of holder registers how to start it.
+
+GrantHandler = Callable[[str, Grant], None]
+_grant_handlers: dict[str, GrantHandler] = {}
+
+
+def holder_name(kind: str, ident: object) -> str:
+    return f"{kind}:{ident}"
+
+
+def holder_parse(holder: str) -> tuple[str, str]:
+    kind, _, ident = holder.partition(":")
+    return kind, ident
+
+
+def grant_handler_register(kind: str, handler: GrantHandler) -> None:
+    """`handler(device, grant)` starts a holder of `kind` that was handed the lock."""
+    _grant_handlers[kind] = handler
+
+
+def device_lock_handoff(device: str, grant: Grant) -> None:
+    """Start the holder that a release handed the lock to.
+
+    An unknown kind cannot be started: its lock is released again so the queue moves on.
+    """
+    kind, _ = holder_parse(grant.holder)
+    handler = _grant_handlers.get(kind)
+    if handler is None:
+        log.error("lock %s handed to %s of unknown kind; releasing", device, grant.holder)
+        nxt = device_lock_release(device, holder=grant.holder, fence=grant.fence)
+        if nxt is not None:
+            device_lock_handoff(device, nxt)
+        return
+    handler(device, grant)

@@ -1,0 +1,77 @@
+"""Devices: what the engine can send commands to, and what presence says about them."""
+
+from django.core.exceptions import ValidationError
+from django.db import models
+
+from . import protocol
+
+
+def device_name_validate(value: str) -> None:
+    if not protocol.DEVICE_NAME_RE.match(value):
+        raise ValidationError(
+            "Use letters, digits and . _ : - only (the name is one MQTT topic level).", code="invalid"
+        )
+
+
+def labels_validate(value) -> None:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValidationError('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.')
+
+
+def topic_validate(value: str) -> None:
+    if value and ("+" in value or "#" in value or value.startswith("/")):
+        raise ValidationError("A topic may not contain wildcards (+ #) or start with '/'.")
+
+
+class DeviceGroup(models.Model):
+    """A named set of devices that steps can target as a whole (fan-out comes later)."""
+
+    name = models.CharField(max_length=128, unique=True)
+    description = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Device(models.Model):
+    """A device addressed over MQTT by its name, or by legacy topic overrides."""
+
+    name = models.CharField(max_length=128, unique=True, validators=[device_name_validate])
+    description = models.TextField(blank=True)
+    labels = models.JSONField(
+        default=dict, blank=True, validators=[labels_validate], help_text='e.g. {"site": "berlin", "kind": "pump"}'
+    )
+    groups = models.ManyToManyField(DeviceGroup, blank=True, related_name="devices")
+    command_topic = models.CharField(
+        max_length=255,
+        blank=True,
+        validators=[topic_validate],
+        help_text="Legacy firmware: publish every command on this fixed topic instead of P/<name>/cmd/<action>.",
+    )
+    reply_topic = models.CharField(
+        max_length=255,
+        blank=True,
+        db_index=True,
+        validators=[topic_validate],
+        help_text="Legacy firmware: the device answers on this one topic instead of P/<name>/ack|progress|done.",
+    )
+    config = models.JSONField(default=dict, blank=True, help_text="Free-form settings for jobs and firmware.")
+    enabled = models.BooleanField(default=True, help_text="Disabled devices receive no commands.")
+    online = models.BooleanField(default=False, help_text="From the device's retained status / last will.")
+    last_seen = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def command_topic_for(self, action: str) -> str:
+        return protocol.command_topic(self.name, action, self.command_topic)

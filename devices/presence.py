@@ -1,0 +1,53 @@
+"""Presence: a device's retained status / last will and its heartbeats update the Device row."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.utils import timezone
+
+from . import protocol
+from .models import Device
+
+log = logging.getLogger(__name__)
+
+# Heartbeats only refresh last_seen; writing the row on every beat of 10,000 devices
+# would be wasted I/O, so a row is written at most once per this interval.
+LAST_SEEN_WRITE_INTERVAL = timedelta(seconds=15)
+
+
+def device_presence_set(*, name: str, online: bool) -> bool:
+    """Record the device online/offline; False when no such device exists."""
+    now = timezone.now()
+    updated = Device.objects.filter(name=name).update(online=online, last_seen=now, updated_at=now)
+    if updated:
+        log.info("device %s is %s", name, "online" if online else "offline")
+    return bool(updated)
+
+
+def device_seen(*, name: str) -> None:
+    """A heartbeat: refresh last_seen (throttled) and mark the device online."""
+    now = timezone.now()
+    Device.objects.filter(name=name).exclude(last_seen__gt=now - LAST_SEEN_WRITE_INTERVAL, online=True).update(
+        last_seen=now, online=True
+    )
+
+
+def presence_message_handle(topic: str, payload: bytes) -> None:
+    """Bridge handler for P/<device>/status and P/<device>/heartbeat."""
+    parsed = protocol.topic_parse(topic)
+    if parsed is None:
+        return
+    name, kind = parsed
+    if kind == "heartbeat":
+        device_seen(name=name)
+        return
+    if not payload:
+        return  # a retained status being cleared
+    try:
+        online = protocol.status_parse(payload)
+    except protocol.ProtocolError as exc:
+        log.warning("presence: dropped status from %s: %s", name, exc)
+        return
+    device_presence_set(name=name, online=online)

@@ -1,0 +1,143 @@
+"""The MQTT bridge: one long-lived subscriber that routes device messages to app handlers.
+
+Apps register handlers in AppConfig.ready() (`handler_register` for topic filters under the
+prefix, `dynamic_topics_register` for per-device legacy topics that change at runtime), so
+this module knows neither devices nor jobs. A handler gets (topic, payload) and must be
+quick: validate, correlate, hand off to Celery. A handler that raises is logged and
+counted; the bridge keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+import paho.mqtt.client as mqtt
+from django.conf import settings
+from django.db import close_old_connections
+
+from .mqtt import client_connect, client_create
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], None]
+TopicProvider = Callable[[], dict[str, Handler]]
+
+# How often the bridge re-reads dynamic topics (devices added or given legacy topics):
+# a new device works within this many seconds, without a restart.
+DYNAMIC_REFRESH_SECONDS = 2.0
+
+_handlers: list[tuple[str, Handler]] = []
+_providers: list[TopicProvider] = []
+
+
+def handler_register(topic_filter: str, handler: Handler) -> None:
+    """Route messages matching `topic_filter` (MQTT wildcards allowed) to `handler`."""
+    if (topic_filter, handler) not in _handlers:
+        _handlers.append((topic_filter, handler))
+
+
+def dynamic_topics_register(provider: TopicProvider) -> None:
+    """`provider()` returns {exact topic: handler}; re-read every DYNAMIC_REFRESH_SECONDS."""
+    if provider not in _providers:
+        _providers.append(provider)
+
+
+class Bridge:
+    """Subscribes to every registered topic and dispatches each message to its handler."""
+
+    def __init__(self) -> None:
+        self.client = client_create("bridge")
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+        self.stats: Counter[str] = Counter()
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._dynamic: dict[str, Handler] = {}
+        self._lock = threading.Lock()
+
+    def _subscription(self, topic: str) -> str:
+        group = settings.MQTT_SHARED_GROUP
+        return f"$share/{group}/{topic}" if group else topic
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("bridge: broker refused connection: %s", reason_code)
+            return
+        # Subscribing here (not once at start) makes every reconnect resubscribe.
+        topics = [t for t, _ in _handlers] + list(self._dynamic)
+        if topics:
+            client.subscribe([(self._subscription(t), 1) for t in topics])
+        log.info("bridge: connected, subscribed to %d topic filters", len(topics))
+        self.connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connected.clear()
+        if not self._stop.is_set():
+            log.warning("bridge: disconnected (%s); reconnecting", reason_code)
+
+    def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        topic = message.topic
+        handler = self._handler_for(topic)
+        if handler is None:
+            self.stats["unrouted"] += 1
+            return
+        close_old_connections()
+        try:
+            handler(topic, message.payload)
+            self.stats["handled"] += 1
+        except Exception:
+            self.stats["handler_errors"] += 1
+            log.exception("bridge: handler for %s failed; message dropped", topic)
+
+    def _handler_for(self, topic: str) -> Handler | None:
+        with self._lock:
+            handler = self._dynamic.get(topic)
+        if handler is not None:
+            return handler
+        for topic_filter, candidate in _handlers:
+            if mqtt.topic_matches_sub(topic_filter, topic):
+                return candidate
+        return None
+
+    def dynamic_refresh(self) -> None:
+        """Re-read dynamic topics and (un)subscribe the difference."""
+        close_old_connections()
+        fresh: dict[str, Handler] = {}
+        for provider in _providers:
+            fresh.update(provider())
+        with self._lock:
+            added = [t for t in fresh if t not in self._dynamic]
+            removed = [t for t in self._dynamic if t not in fresh]
+            self._dynamic = fresh
+        if added and self.connected.is_set():
+            self.client.subscribe([(self._subscription(t), 1) for t in added])
+        if removed and self.connected.is_set():
+            self.client.unsubscribe([self._subscription(t) for t in removed])
+        if added or removed:
+            log.info("bridge: dynamic topics +%d -%d", len(added), len(removed))
+
+    def run(self) -> None:
+        """Connect and serve until stop(); survives broker restarts and database hiccups."""
+        self._refresh_safely()
+        client_connect(self.client)
+        try:
+            while not self._stop.wait(DYNAMIC_REFRESH_SECONDS):
+                self._refresh_safely()
+        finally:
+            self.client.disconnect()
+            self.client.loop_stop()
+            close_old_connections()
+
+    def _refresh_safely(self) -> None:
+        try:
+            self.dynamic_refresh()
+        except Exception:
+            # A database outage must not kill the bridge: keep the old topics, try next tick.
+            log.exception("bridge: refreshing dynamic topics failed; keeping the previous set")
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,22 @@
+"""`manage.py bridge`: run the MQTT bridge until SIGINT/SIGTERM."""
+
+import logging
+import signal
+
+from django.core.management.base import BaseCommand
+
+from iotqueue.bridge import Bridge
+
+log = logging.getLogger(__name__)
+
+
+class Command(BaseCommand):
+    help = "Subscribe to device topics and hand replies and presence to the engine."
+
+    def handle(self, *args, **options):
+        bridge = Bridge()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: bridge.stop())
+        log.info("bridge: starting")
+        bridge.run()
+        log.info("bridge: stopped (%s)", dict(bridge.stats))

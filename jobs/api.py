@@ -1,0 +1,41 @@
+"""REST endpoints for runs: start one (the trigger) and read where it stands."""
+
+from django.db.models import Prefetch
+from rest_framework import mixins, status, viewsets
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+
+from .models import JobRun, StepRun
+from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
+from .services import RunStartError, run_start
+
+
+class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """`POST /api/runs/` starts a run; `GET /api/runs/<id>/` shows its steps and timeline."""
+
+    queryset = JobRun.objects.select_related("template").prefetch_related(
+        Prefetch("step_runs", queryset=StepRun.objects.select_related("device").order_by("index", "device__name"))
+    )
+
+    def get_serializer_class(self):
+        if self.action == "create":
+            return RunStartSerializer
+        if self.action == "retrieve":
+            return RunDetailSerializer
+        return RunSerializer
+
+    def get_queryset(self):
+        queryset = super().get_queryset()
+        if self.action == "retrieve":
+            queryset = queryset.prefetch_related("events")
+        return queryset
+
+    def create(self, request, *args, **kwargs):
+        serializer = RunStartSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            run, created = run_start(**serializer.validated_data, trigger="rest", triggered_by=request.user.username)
+        except RunStartError as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
+        body = RunSerializer(run, context={"request": request}).data
+        return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)

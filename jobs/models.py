@@ -1,0 +1,222 @@
+"""Job templates (what to do), runs (doing it) and the append-only event timeline."""
+
+import uuid
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+from devices.models import Device
+from devices.protocol import ACTION_RE
+
+
+class OnFailure(models.TextChoices):
+    ABORT = "abort", "Abort the run"
+    CONTINUE = "continue", "Continue with the next step"
+    ROLLBACK = "rollback", "Roll back completed steps"
+
+
+class JobTemplate(models.Model):
+    """A named, ordered list of steps that a trigger can start as a run."""
+
+    name = models.CharField(max_length=128, unique=True)
+    description = models.TextField(blank=True)
+    default_priority = models.SmallIntegerField(
+        default=5, validators=[MinValueValidator(0), MaxValueValidator(9)], help_text="0 lowest .. 9 most urgent"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class JobStep(models.Model):
+    """One command to one device, with its timeout and retry budget."""
+
+    template = models.ForeignKey(JobTemplate, on_delete=models.CASCADE, related_name="steps")
+    position = models.PositiveSmallIntegerField(help_text="Steps run in ascending position.")
+    name = models.CharField(max_length=128, blank=True)
+    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="steps")
+    action = models.CharField(max_length=128, help_text="e.g. unlock, on, snapshot, firmware/check")
+    args = models.JSONField(default=dict, blank=True, help_text='JSON object, may use "{{ params.name }}".')
+    timeout_seconds = models.PositiveIntegerField(default=60, help_text="From dispatch to the device's done.")
+    ack_timeout_seconds = models.PositiveIntegerField(
+        default=0, help_text="From dispatch to the device's ack; 0 = no separate ack deadline."
+    )
+    queue_timeout_seconds = models.PositiveIntegerField(
+        default=600, help_text="How long the step may wait for a busy or offline device."
+    )
+    max_attempts = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    backoff_seconds = models.FloatField(default=1.0, help_text="First retry delay; doubles each attempt.")
+    on_failure = models.CharField(max_length=16, choices=OnFailure.choices, default=OnFailure.ABORT)
+    compensation_action = models.CharField(max_length=128, blank=True)
+    compensation_args = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["template", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["template", "position"], name="jobstep_unique_position"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.template.name} #{self.position}: {self.device.name} {self.action}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        errors = {}
+        if not ACTION_RE.match(self.action or ""):
+            errors["action"] = "Use letters, digits and . _ / - only."
+        if not isinstance(self.args, dict):
+            errors["args"] = "Args must be a JSON object."
+        if errors:
+            raise ValidationError(errors)
+
+
+class RunStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELED = "canceled"
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"
+
+
+RUN_TERMINAL = (
+    RunStatus.SUCCEEDED,
+    RunStatus.FAILED,
+    RunStatus.TIMED_OUT,
+    RunStatus.CANCELED,
+    RunStatus.COMPENSATED,
+)
+
+
+class Trigger(models.TextChoices):
+    REST = "rest"
+    ADMIN = "admin"
+    SCHEDULE = "schedule"
+    MQTT = "mqtt"
+    CLI = "cli"
+
+
+class JobRun(models.Model):
+    """One execution of a template; `cursor` is the position index of the current step."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="runs")
+    parameters = models.JSONField(default=dict, blank=True)
+    plan = models.JSONField(
+        default=list, blank=True, editable=False, help_text="The template's steps as they were when the run started."
+    )
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING)
+    cursor = models.PositiveSmallIntegerField(default=0)
+    trigger = models.CharField(max_length=16, choices=Trigger.choices, default=Trigger.REST)
+    triggered_by = models.CharField(max_length=150, blank=True)
+    priority = models.SmallIntegerField(default=5, validators=[MinValueValidator(0), MaxValueValidator(9)])
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["status", "created_at"], name="jobrun_status_created")]
+
+    def __str__(self) -> str:
+        return f"{self.template.name} {str(self.id)[:8]} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in RUN_TERMINAL
+
+
+class StepStatus(models.TextChoices):
+    PENDING = "pending"
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    IN_PROGRESS = "in_progress"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELED = "canceled"
+    SKIPPED = "skipped"
+
+
+STEP_TERMINAL = (
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.TIMED_OUT,
+    StepStatus.CANCELED,
+    StepStatus.SKIPPED,
+)
+# States in which the device holds (or is about to execute) the step's command.
+STEP_IN_FLIGHT = (StepStatus.DISPATCHED, StepStatus.IN_PROGRESS)
+
+
+class StepRun(models.Model):
+    """One step of one run on one device; the committed row is the command's outbox entry."""
+
+    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, related_name="step_runs")
+    index = models.PositiveSmallIntegerField(help_text="Position of the step in the run, from 0.")
+    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="step_runs")
+    action = models.CharField(max_length=128)
+    args = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=StepStatus.choices, default=StepStatus.PENDING)
+    attempt = models.PositiveSmallIntegerField(default=0)
+    command_id = models.CharField(max_length=64, null=True, blank=True, unique=True)
+    fence = models.BigIntegerField(null=True, blank=True, help_text="Lock fencing token of the current attempt.")
+    deadline = models.DateTimeField(null=True, blank=True)
+    progress = models.PositiveSmallIntegerField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "index", "device"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "index", "device"], name="steprun_unique_run_index_device"),
+        ]
+        indexes = [
+            models.Index(fields=["device", "status"], name="steprun_device_status"),
+            models.Index(fields=["status", "deadline"], name="steprun_status_deadline"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{str(self.run_id)[:8]} step {self.index} on {self.device.name}: {self.action} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in STEP_TERMINAL
+
+
+class RunEvent(models.Model):
+    """Append-only audit timeline: every transition, and every message dropped or ignored.
+
+    Events about messages that match no run (unknown command id, malformed payload) have
+    no run; they carry the device name and topic instead.
+    """
+
+    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    step_run = models.ForeignKey(StepRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    kind = models.CharField(max_length=48, db_index=True, help_text="e.g. step.dispatched, reply.stale")
+    device = models.CharField(max_length=128, blank=True)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["run", "id"], name="runevent_run_id")]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%H:%M:%S} {self.kind} {self.message}"[:120]

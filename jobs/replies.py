@@ -1,0 +1,47 @@
+"""Bridge handlers for device replies: validate and correlate cheaply, hand off to Celery.
+
+Malformed messages are dropped here with a `message.dropped` event; everything else is
+checked against the database by the `step_reply` task (unknown id, foreign device, stale).
+"""
+
+from __future__ import annotations
+
+from devices import protocol
+from devices.models import Device
+from iotqueue.bridge import Handler
+
+from .events import event_record
+from .tasks import step_reply_task
+
+
+def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> None:
+    """Parse one reply; enqueue it for the engine or record why it was dropped."""
+    try:
+        body = protocol.payload_json(payload)
+        reply = protocol.reply_parse(kind or protocol.reply_kind_infer(body), body)
+    except protocol.ProtocolError as exc:
+        event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
+        return
+    step_reply_task.delay(device, reply.as_task_payload())
+
+
+def reply_message_handle(topic: str, payload: bytes) -> None:
+    """Handler for P/<device>/ack|progress|done."""
+    parsed = protocol.topic_parse(topic)
+    if parsed is None:
+        return
+    device, kind = parsed
+    reply_accept(device, kind, topic, payload)
+
+
+def _legacy_handler(device: str) -> Handler:
+    def handle(topic: str, payload: bytes) -> None:
+        reply_accept(device, None, topic, payload)
+
+    return handle
+
+
+def legacy_reply_topics() -> dict[str, Handler]:
+    """Legacy devices' single reply topics (e.g. dev/face/123/Ack), re-read by the bridge."""
+    topics = Device.objects.filter(enabled=True).exclude(reply_topic="").values_list("reply_topic", "name")
+    return {topic: _legacy_handler(name) for topic, name in topics}
