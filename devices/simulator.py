@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import paho.mqtt.client as mqtt
@@ -99,21 +99,6 @@ class TokenRegression(NamedTuple):
     token: int
 
 
-def device_behaviours_from_db(base: DeviceBehaviour) -> dict[str, DeviceBehaviour]:
-    """Behaviour of every enabled Device row: its topic overrides plus config["simulator"] knobs."""
-    from devices.models import Device  # lazy: the simulator itself needs no database
-
-    behaviours = {}
-    rows = Device.objects.filter(enabled=True).values_list("name", "command_topic", "reply_topic", "config")
-    for name, command_topic, reply_topic, config in rows.order_by("name"):
-        knobs = config.get("simulator") if isinstance(config, dict) else None
-        behaviour = base.configured(knobs) if isinstance(knobs, dict) else base
-        behaviours[name] = replace(
-            behaviour, command_topic=command_topic or "", reply_topic=reply_topic or ""
-        )
-    return behaviours
-
-
 def _command_parse(body: Any, topic: str) -> dict[str, Any]:
     """A received command as a record; raise ProtocolError when it has no usable id or args."""
     if not isinstance(body, dict):
@@ -124,7 +109,7 @@ def _command_parse(body: Any, topic: str) -> dict[str, Any]:
     if not isinstance(args, dict):
         raise protocol.ProtocolError("field 'args' must be a JSON object")
     fields = ("run", "step", "attempt", "token", "deadline")
-    action = body.get("action") or topic.rsplit("/", 1)[-1]
+    action = body.get("action") or topic.partition("/cmd/")[2]
     return {
         "id": command_id,
         **{name: body.get(name) for name in fields},
@@ -139,14 +124,13 @@ def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+@dataclass(order=True)
 class _Timer:
-    __slots__ = ("args", "canceled", "due", "fn", "seq")
-
-    def __init__(self, due: float, seq: int, fn: Callable[..., None], args: tuple) -> None:
-        self.due, self.seq, self.fn, self.args, self.canceled = due, seq, fn, args, False
-
-    def __lt__(self, other: _Timer) -> bool:
-        return (self.due, self.seq) < (other.due, other.seq)
+    due: float
+    seq: int
+    fn: Callable[..., None] = field(compare=False)
+    args: tuple = field(compare=False)
+    canceled: bool = field(default=False, compare=False)
 
     def cancel(self) -> None:
         self.canceled = True
@@ -216,7 +200,8 @@ class SimulatedDevice:
         self._timers, self._rng, self._url = timers, rng, url
         self._status_topic = protocol.device_topic(name, "status")
         self._heartbeat_topic = protocol.device_topic(name, "heartbeat")
-        self._subscription = behaviour.command_topic or protocol.command_topic(name, "+")
+        # "#", not "+": actions may span levels (resource/check), and so may their command topics.
+        self._subscription = behaviour.command_topic or protocol.command_topic(name, "#")
         self._reply_topics = {kind: protocol.device_topic(name, kind) for kind in protocol.REPLY_KINDS}
         self._lock = threading.Lock()
         self._in_flight: dict[str, list[_Timer]] = {}  # command id -> its pending progress/done timers

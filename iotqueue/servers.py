@@ -70,7 +70,11 @@ class _Launch:
 
 @dataclass
 class EmbeddedServer:
-    """A running server process owned by this process; stop() it, or use it as a context manager."""
+    """A running server process owned by this process; stop() it, or use it as a context manager.
+
+    workdir is the server's own directory (workdir/"redis" or workdir/"mqtt"): its config,
+    <name>.log (stdout and stderr) and <name>.pid live there.
+    """
 
     name: str
     kind: str
@@ -206,7 +210,7 @@ def _run(launch: _Launch, port: int) -> subprocess.Popen:
     log_offset = launch.log.stat().st_size if launch.log.exists() else 0
     with launch.log.open("ab") as log:
         process = subprocess.Popen(
-            _dying_with_owner(launch.argv(port)),
+            argv_dying_with_owner(launch.argv(port)),
             cwd=launch.workdir,  # also how _kill_leftover recognises our server in /proc
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -263,15 +267,16 @@ owner = int(sys.argv[1])
 ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
 if os.getppid() != owner:  # the owner died before prctl took effect
     sys.exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
+os.execvp(sys.argv[2], sys.argv[2:])  # execvp: a bare program name is looked up on PATH
 """
 
 
-def _dying_with_owner(argv: list[str]) -> list[str]:
-    """Wrap argv so the server gets SIGTERM when the thread that started it exits (Linux only).
+def argv_dying_with_owner(argv: list[str]) -> list[str]:
+    """Wrap argv so the child gets SIGTERM when the thread that starts it exits (Linux only).
 
-    PR_SET_PDEATHSIG tracks the *thread* that forked, not the process: start servers from a
-    thread that lives as long as they should (the main thread, normally). Elsewhere: argv as is.
+    Build it in the process that runs Popen (it records that PID). PR_SET_PDEATHSIG tracks the
+    *thread* that forked, not the process: start children from a thread that lives as long as
+    they should (the main thread, normally). Elsewhere: argv unchanged, no such guarantee.
     """
     if not sys.platform.startswith("linux"):
         return argv

@@ -179,3 +179,24 @@ def test_unknown_mode_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(servers.EMBEDDED_ENV, "docker")
     with pytest.raises(ValueError, match="IOTQUEUE_EMBEDDED"):
         servers.redis_start(tmp_path)
+
+
+@pytest.mark.parametrize("start", ["redis_start", "mqtt_broker_start"])
+def test_start_moves_to_another_port_when_the_probed_one_is_taken(
+    mode: str, start: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given a port that someone grabs between the probe and the server's bind
+    with socket.socket() as squatter:
+        squatter.bind((servers.HOST, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        probes = iter([taken])
+        real_free_port = servers.free_port
+        monkeypatch.setattr(servers, "free_port", lambda: next(probes, None) or real_free_port())
+        # when the server starts
+        with getattr(servers, start)(tmp_path) as server:
+            # then it ends up on another port, and serves there
+            assert server.port != taken
+            assert server.url.startswith(("redis://", "mqtt://"))
+            assert not _refuses(server.port)
+        assert "address already in use" in (server.workdir / f"{server.name}.log").read_text().lower()

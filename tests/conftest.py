@@ -1,0 +1,150 @@
+"""Test fixtures: real Redis, real MQTT broker, a real Celery worker and the real bridge.
+
+Servers are started on free ports (or taken from REDIS_URL / MQTT_URL when set, as in
+the PostgreSQL + Mosquitto leg of .ci/run). Each session uses its own topic prefix,
+Redis key prefix and Celery queue, so it never sees another user's traffic.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from iotqueue import celery_app
+from iotqueue.mqtt import publisher
+from iotqueue.processes import Supervisor, manage_argv, worker_argv
+from iotqueue.redis_conn import redis_connection
+from iotqueue.servers import EmbeddedServer, mqtt_broker_start, redis_start
+
+# Upper bound for waiting on something asynchronous. Not a performance target: it only
+# makes a broken test fail instead of hanging (pytest-timeout is the last resort).
+WAIT_SECONDS = 30.0
+
+
+def wait_for(predicate: Callable[[], object], *, timeout: float = WAIT_SECONDS, what: str = "condition") -> object:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Services:
+    redis_url: str
+    mqtt_url: str
+    redis: EmbeddedServer | None
+    broker: EmbeddedServer | None
+    namespace: str
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory) -> Iterator[Services]:
+    """Redis and an MQTT broker for the session, and settings pointed at them."""
+    workdir: Path = tmp_path_factory.mktemp("services")
+    redis = broker = None
+    redis_url = os.environ.get("REDIS_URL")
+    if not redis_url:
+        redis = redis_start(workdir)
+        redis_url = redis.url
+    mqtt_url = os.environ.get("MQTT_URL")
+    if not mqtt_url:
+        broker = mqtt_broker_start(workdir)
+        mqtt_url = broker.url
+    namespace = f"iqt{uuid.uuid4().hex[:8]}"
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = redis_url
+    settings.MQTT_URL = mqtt_url
+    settings.IOTQUEUE_TOPIC_PREFIX = namespace
+    settings.IOTQUEUE_REDIS_KEY_PREFIX = namespace
+    celery_app.conf.broker_url = redis_url
+    celery_app.conf.task_default_queue = namespace
+    redis_connection.cache_clear()
+    publisher.close()
+    yield Services(redis_url, mqtt_url, redis, broker, namespace)
+    publisher.close()
+    for server in (broker, redis):
+        if server is not None:
+            server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_services(services):
+    """Every test runs against the session's own servers and namespace."""
+
+
+def database_url() -> str:
+    """URL of the test database, for the worker and bridge processes."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    return f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+@dataclass
+class Stack:
+    supervisor: Supervisor
+    services: Services
+
+    def restart(self, name: str) -> None:
+        offset = self.supervisor.log_size(name)
+        self.supervisor.stop(name)
+        self.supervisor.start(name, self.supervisor.children[name].argv)
+        self.supervisor.wait_for_log(name, READY[name], since=offset)
+
+
+READY = {"worker": r"@\S+ ready\.", "bridge": r"bridge: connected"}
+
+
+@pytest.fixture(scope="session")
+def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Stack]:
+    """A real Celery worker and the real bridge, sharing the test database."""
+    with django_db_blocker.unblock():
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "iotqueue.settings",
+            "DATABASE_URL": database_url(),
+            "REDIS_URL": services.redis_url,
+            "MQTT_URL": services.mqtt_url,
+            "IOTQUEUE_TOPIC_PREFIX": services.namespace,
+            "IOTQUEUE_REDIS_KEY_PREFIX": services.namespace,
+            "CELERY_TASK_DEFAULT_QUEUE": services.namespace,
+        }
+    supervisor = Supervisor(tmp_path_factory.mktemp("logs"), env)
+    try:
+        supervisor.start("worker", worker_argv(concurrency=2))
+        supervisor.start("bridge", manage_argv("bridge"))
+        for name, pattern in READY.items():
+            supervisor.wait_for_log(name, pattern)
+        yield Stack(supervisor, services)
+    finally:
+        supervisor.stop_all()
+
+
+@pytest.fixture
+def simulator(services) -> Iterator[Callable[..., object]]:
+    """Start simulated devices (real MQTT clients): simulator({name: DeviceBehaviour})."""
+    from devices.simulator import Simulator
+
+    started = []
+
+    def start(devices, **kwargs):
+        sim = Simulator(devices, url=services.mqtt_url, **kwargs)
+        sim.start()
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()
