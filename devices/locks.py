@@ -110,7 +110,9 @@ def device_lock_release(
 def device_lock_extend(device: str, *, holder: str, fence: int, lease_seconds: float) -> bool:
     """Push the lease out to now + lease_seconds; False when the caller lost the lock."""
     k = _keys(device)
-    return bool(_script("extend")(keys=[k["lock"], k["leases"]], args=[holder, fence, _ms(lease_seconds), device]))
+    return bool(
+        _script("extend")(keys=[k["lock"], k["leases"]], args=[holder, fence, _ms(lease_seconds), device])
+    )
 
 
 def device_lock_dequeue(device: str, *, holder: str) -> bool:

@@ -44,21 +44,24 @@ class Device(models.Model):
     name = models.CharField(max_length=128, unique=True, validators=[device_name_validate])
     description = models.TextField(blank=True)
     labels = models.JSONField(
-        default=dict, blank=True, validators=[labels_validate], help_text='e.g. {"site": "berlin", "kind": "pump"}'
+        default=dict,
+        blank=True,
+        validators=[labels_validate],
+        help_text='e.g. {"site": "berlin", "kind": "pump"}',
     )
     groups = models.ManyToManyField(DeviceGroup, blank=True, related_name="devices")
     command_topic = models.CharField(
         max_length=255,
         blank=True,
         validators=[topic_validate],
-        help_text="Legacy firmware: publish every command on this fixed topic instead of P/<name>/cmd/<action>.",
+        help_text="Legacy firmware: every command goes to this fixed topic, not P/<name>/cmd/<action>.",
     )
     reply_topic = models.CharField(
         max_length=255,
         blank=True,
         db_index=True,
         validators=[topic_validate],
-        help_text="Legacy firmware: the device answers on this one topic instead of P/<name>/ack|progress|done.",
+        help_text="Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done.",
     )
     config = models.JSONField(default=dict, blank=True, help_text="Free-form settings for jobs and firmware.")
     enabled = models.BooleanField(default=True, help_text="Disabled devices receive no commands.")

@@ -29,9 +29,9 @@ def device_presence_set(*, name: str, online: bool) -> bool:
 def device_seen(*, name: str) -> None:
     """A heartbeat: refresh last_seen (throttled) and mark the device online."""
     now = timezone.now()
-    Device.objects.filter(name=name).exclude(last_seen__gt=now - LAST_SEEN_WRITE_INTERVAL, online=True).update(
-        last_seen=now, online=True
-    )
+    Device.objects.filter(name=name).exclude(
+        last_seen__gt=now - LAST_SEEN_WRITE_INTERVAL, online=True
+    ).update(last_seen=now, online=True)
 
 
 def presence_message_handle(topic: str, payload: bytes) -> None:

@@ -136,8 +136,13 @@ def reply_parse(kind: str, body: Any) -> Reply:
         retryable = body.get("retryable", False)
         if not isinstance(retryable, bool):
             raise ProtocolError("field 'retryable' must be true or false")
-        return Reply(kind=kind, command_id=command_id, ok=False, error=error or "device reported failure",
-                     retryable=retryable)
+        return Reply(
+            kind=kind,
+            command_id=command_id,
+            ok=False,
+            error=error or "device reported failure",
+            retryable=retryable,
+        )
     raise ProtocolError(f"unknown reply kind {kind!r}")
 
 
@@ -151,7 +156,14 @@ def _object(body: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def command_payload(
-    *, command_id: str, run: str, step: int, attempt: int, token: int, action: str, args: dict[str, Any],
+    *,
+    command_id: str,
+    run: str,
+    step: int,
+    attempt: int,
+    token: int,
+    action: str,
+    args: dict[str, Any],
     deadline: str,
 ) -> bytes:
     """The body of a command message, exactly as docs/protocol.md lists it."""

@@ -108,16 +108,9 @@ def _command_parse(body: Any, topic: str) -> dict[str, Any]:
         raise protocol.ProtocolError("field 'id' must be a non-empty string")
     if not isinstance(args, dict):
         raise protocol.ProtocolError("field 'args' must be a JSON object")
-    fields = ("run", "step", "attempt", "token", "deadline")
+    record = {name: body.get(name) for name in ("id", "run", "step", "attempt", "token", "deadline")}
     action = body.get("action") or topic.partition("/cmd/")[2]
-    return {
-        "id": command_id,
-        **{name: body.get(name) for name in fields},
-        "action": str(action),
-        "args": args,
-        "topic": topic,
-        "at": time.time(),
-    }
+    return {**record, "action": str(action), "args": args, "topic": topic, "at": time.time()}
 
 
 def _json(body: dict[str, Any]) -> bytes:
@@ -297,6 +290,10 @@ class SimulatedDevice:
             log.info("simulated device %s disconnected: %s", self.name, reason_code)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        if not mqtt.topic_matches_sub(self._subscription, message.topic):
+            # amqtt 0.12 re-sends retained messages to later subscribers of unrelated filters.
+            log.debug("simulated device %s: ignoring stray message on %s", self.name, message.topic)
+            return
         try:
             command = _command_parse(protocol.payload_json(message.payload), message.topic)
         except protocol.ProtocolError as exc:
@@ -337,27 +334,14 @@ class SimulatedDevice:
         if self._fence is not None and token < self._fence:
             regression = TokenRegression(self.name, command["id"], self._fence, token)
             self.token_regressions.append(regression)
-            log.error(
-                "FENCING VIOLATION on %s: command %s has token %s < %s",
-                self.name,
-                command["id"],
-                token,
-                self._fence,
-            )
+            log.error("FENCING VIOLATION %s, run %s step %s", regression, command["run"], command["step"])
         self._fence = token if self._fence is None else max(self._fence, token)
 
     def _overlap_check(self, command: dict[str, Any]) -> None:
         if self._in_flight:
-            in_flight_id = next(iter(self._in_flight))
-            self.overlaps.append(Overlap(self.name, in_flight_id, command["id"]))
-            log.error(
-                "LOCK VIOLATION on %s: command %s (run %s step %s) arrived while %s is in flight",
-                self.name,
-                command["id"],
-                command["run"],
-                command["step"],
-                in_flight_id,
-            )
+            overlap = Overlap(self.name, next(iter(self._in_flight)), command["id"])
+            self.overlaps.append(overlap)
+            log.error("LOCK VIOLATION %s, run %s step %s", overlap, command["run"], command["step"])
 
     def _schedule(self, command: dict[str, Any]) -> list[_Timer]:
         behaviour = self.behaviour

@@ -30,8 +30,13 @@ def celery_argv(*args: str) -> list[str]:
 
 def worker_argv(*, concurrency: int = 2, hostname: str = "worker") -> list[str]:
     return celery_argv(
-        "worker", "--pool=prefork", f"--concurrency={concurrency}", f"--hostname={hostname}@%h",
-        "--without-gossip", "--without-mingle", "--loglevel=INFO",
+        "worker",
+        "--pool=prefork",
+        f"--concurrency={concurrency}",
+        f"--hostname={hostname}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel=INFO",
     )
 
 

@@ -52,8 +52,20 @@ class JobRunAdmin(admin.ModelAdmin):
     search_fields = ["id", "idempotency_key"]
     date_hierarchy = "created_at"
     readonly_fields = [
-        "id", "template", "parameters", "plan", "status", "cursor", "trigger", "triggered_by", "priority",
-        "idempotency_key", "error", "created_at", "started_at", "finished_at",
+        "id",
+        "template",
+        "parameters",
+        "plan",
+        "status",
+        "cursor",
+        "trigger",
+        "triggered_by",
+        "priority",
+        "idempotency_key",
+        "error",
+        "created_at",
+        "started_at",
+        "finished_at",
     ]
     inlines = [StepRunInline, RunEventInline]
 

@@ -14,7 +14,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     """`POST /api/runs/` starts a run; `GET /api/runs/<id>/` shows its steps and timeline."""
 
     queryset = JobRun.objects.select_related("template").prefetch_related(
-        Prefetch("step_runs", queryset=StepRun.objects.select_related("device").order_by("index", "device__name"))
+        Prefetch(
+            "step_runs", queryset=StepRun.objects.select_related("device").order_by("index", "device__name")
+        )
     )
 
     def get_serializer_class(self):
@@ -34,7 +36,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         serializer = RunStartSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
-            run, created = run_start(**serializer.validated_data, trigger="rest", triggered_by=request.user.username)
+            run, created = run_start(
+                **serializer.validated_data, trigger="rest", triggered_by=request.user.username
+            )
         except RunStartError as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         body = RunSerializer(run, context={"request": request}).data

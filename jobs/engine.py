@@ -81,9 +81,9 @@ def run_advance(*, run_id: str) -> None:
 
 def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
     """Move a run to a terminal status (once); False when it already was terminal."""
-    finished = JobRun.objects.filter(
-        pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING)
-    ).update(status=status, error=error, finished_at=timezone.now())
+    finished = JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING)).update(
+        status=status, error=error, finished_at=timezone.now()
+    )
     if finished:
         run.status, run.error = status, error
         event_record(f"run.{status}", run=run, message=error)
@@ -128,7 +128,12 @@ def step_start(*, run: JobRun, index: int) -> None:
         run=run,
         index=index,
         device=device,
-        defaults={"action": spec["action"], "args": args, "status": StepStatus.QUEUED, "queued_at": timezone.now()},
+        defaults={
+            "action": spec["action"],
+            "args": args,
+            "status": StepStatus.QUEUED,
+            "queued_at": timezone.now(),
+        },
     )
     step_run.run = run
     if created:
@@ -174,15 +179,17 @@ def step_dispatch(*, step_run_id: int, fence: int) -> None:
         "dispatched_at": now,
     }
     with transaction.atomic():
-        claimed = StepRun.objects.filter(pk=step_run.pk, status=step_run.status, attempt=step_run.attempt).update(
-            **changes
-        )
+        claimed = StepRun.objects.filter(
+            pk=step_run.pk, status=step_run.status, attempt=step_run.attempt
+        ).update(**changes)
         if not claimed:
             return
         for field, value in changes.items():
             setattr(step_run, field, value)
         event_record("step.dispatched", step_run=step_run, message=f"attempt {attempt}, fence {fence}")
-    device_lock_extend(step_run.device.name, holder=_holder(step_run), fence=fence, lease_seconds=_lease_seconds(spec))
+    device_lock_extend(
+        step_run.device.name, holder=_holder(step_run), fence=fence, lease_seconds=_lease_seconds(spec)
+    )
     command_send(step_run=step_run)
 
 
@@ -211,9 +218,11 @@ def command_send(*, step_run: StepRun) -> bool:
 
 def command_resend(*, step_run_id: int, command_id: str) -> None:
     """Re-send a command whose publish failed, if it is still the step's current one."""
-    step_run = StepRun.objects.select_related("run", "device").filter(
-        pk=step_run_id, command_id=command_id, status__in=STEP_IN_FLIGHT
-    ).first()
+    step_run = (
+        StepRun.objects.select_related("run", "device")
+        .filter(pk=step_run_id, command_id=command_id, status__in=STEP_IN_FLIGHT)
+        .first()
+    )
     if step_run is not None:
         command_send(step_run=step_run)
 
@@ -239,7 +248,9 @@ def step_reply(*, device: str, reply: protocol.Reply) -> None:
     """Apply a device's ack/progress/done to the step it answers, if it is current."""
     step_run = StepRun.objects.select_related("run", "device").filter(command_id=reply.command_id).first()
     if step_run is None:
-        event_record("reply.unknown", device=device, message=f"{reply.kind} for unknown command {reply.command_id}")
+        event_record(
+            "reply.unknown", device=device, message=f"{reply.kind} for unknown command {reply.command_id}"
+        )
         return
     if step_run.device.name != device:
         event_record(
@@ -257,7 +268,10 @@ def step_reply(*, device: str, reply: protocol.Reply) -> None:
 
 def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
     """ack/progress: the device is working on the current attempt."""
-    changes: dict[str, Any] = {"status": StepStatus.IN_PROGRESS, "acked_at": Coalesce("acked_at", timezone.now())}
+    changes: dict[str, Any] = {
+        "status": StepStatus.IN_PROGRESS,
+        "acked_at": Coalesce("acked_at", timezone.now()),
+    }
     if reply.progress is not None:
         changes["progress"] = reply.progress
     updated = StepRun.objects.filter(

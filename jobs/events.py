@@ -30,7 +30,12 @@ def event_record(
     else:
         run_id = run.pk if run is not None else None
     log.info(
-        "%s run=%s device=%s %s %s", kind, run_id or "-", device or "-", message, data,
+        "%s run=%s device=%s %s %s",
+        kind,
+        run_id or "-",
+        device or "-",
+        message,
+        data,
         extra={"run_id": str(run_id or ""), "device": device, "event": kind},
     )
     return RunEvent.objects.create(

@@ -21,7 +21,9 @@ class JobTemplate(models.Model):
     name = models.CharField(max_length=128, unique=True)
     description = models.TextField(blank=True)
     default_priority = models.SmallIntegerField(
-        default=5, validators=[MinValueValidator(0), MaxValueValidator(9)], help_text="0 lowest .. 9 most urgent"
+        default=5,
+        validators=[MinValueValidator(0), MaxValueValidator(9)],
+        help_text="0 lowest .. 9 most urgent",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -111,7 +113,10 @@ class JobRun(models.Model):
     template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="runs")
     parameters = models.JSONField(default=dict, blank=True)
     plan = models.JSONField(
-        default=list, blank=True, editable=False, help_text="The template's steps as they were when the run started."
+        default=list,
+        blank=True,
+        editable=False,
+        help_text="The template's steps as they were when the run started.",
     )
     status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING)
     cursor = models.PositiveSmallIntegerField(default=0)
@@ -171,7 +176,9 @@ class StepRun(models.Model):
     status = models.CharField(max_length=16, choices=StepStatus.choices, default=StepStatus.PENDING)
     attempt = models.PositiveSmallIntegerField(default=0)
     command_id = models.CharField(max_length=64, null=True, blank=True, unique=True)
-    fence = models.BigIntegerField(null=True, blank=True, help_text="Lock fencing token of the current attempt.")
+    fence = models.BigIntegerField(
+        null=True, blank=True, help_text="Lock fencing token of the current attempt."
+    )
     deadline = models.DateTimeField(null=True, blank=True)
     progress = models.PositiveSmallIntegerField(null=True, blank=True)
     result = models.JSONField(null=True, blank=True)
@@ -184,7 +191,9 @@ class StepRun(models.Model):
     class Meta:
         ordering = ["run", "index", "device"]
         constraints = [
-            models.UniqueConstraint(fields=["run", "index", "device"], name="steprun_unique_run_index_device"),
+            models.UniqueConstraint(
+                fields=["run", "index", "device"], name="steprun_unique_run_index_device"
+            ),
         ]
         indexes = [
             models.Index(fields=["device", "status"], name="steprun_device_status"),
@@ -192,7 +201,9 @@ class StepRun(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{str(self.run_id)[:8]} step {self.index} on {self.device.name}: {self.action} ({self.status})"
+        return (
+            f"{str(self.run_id)[:8]} step {self.index} on {self.device.name}: {self.action} ({self.status})"
+        )
 
     @property
     def is_terminal(self) -> bool:
@@ -207,7 +218,9 @@ class RunEvent(models.Model):
     """
 
     run = models.ForeignKey(JobRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
-    step_run = models.ForeignKey(StepRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
+    step_run = models.ForeignKey(
+        StepRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events"
+    )
     kind = models.CharField(max_length=48, db_index=True, help_text="e.g. step.dispatched, reply.stale")
     device = models.CharField(max_length=128, blank=True)
     message = models.TextField(blank=True)

@@ -23,8 +23,22 @@ class StepRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = StepRun
         fields = [
-            "index", "device", "action", "args", "status", "attempt", "command_id", "fence", "deadline",
-            "progress", "result", "error", "queued_at", "dispatched_at", "acked_at", "finished_at",
+            "index",
+            "device",
+            "action",
+            "args",
+            "status",
+            "attempt",
+            "command_id",
+            "fence",
+            "deadline",
+            "progress",
+            "result",
+            "error",
+            "queued_at",
+            "dispatched_at",
+            "acked_at",
+            "finished_at",
         ]
 
 
@@ -42,8 +56,21 @@ class RunSerializer(serializers.ModelSerializer):
     class Meta:
         model = JobRun
         fields = [
-            "id", "url", "template", "parameters", "status", "cursor", "priority", "trigger", "triggered_by",
-            "idempotency_key", "error", "created_at", "started_at", "finished_at", "steps",
+            "id",
+            "url",
+            "template",
+            "parameters",
+            "status",
+            "cursor",
+            "priority",
+            "trigger",
+            "triggered_by",
+            "idempotency_key",
+            "error",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "steps",
         ]
 
 
@@ -51,4 +78,4 @@ class RunDetailSerializer(RunSerializer):
     events = RunEventSerializer(many=True, read_only=True)
 
     class Meta(RunSerializer.Meta):
-        fields = RunSerializer.Meta.fields + ["events"]
+        fields = [*RunSerializer.Meta.fields, "events"]

@@ -29,7 +29,9 @@ from iotqueue.servers import EmbeddedServer, mqtt_broker_start, redis_start
 WAIT_SECONDS = 30.0
 
 
-def wait_for(predicate: Callable[[], object], *, timeout: float = WAIT_SECONDS, what: str = "condition") -> object:
+def wait_for(
+    predicate: Callable[[], object], *, timeout: float = WAIT_SECONDS, what: str = "condition"
+) -> object:
     """Poll `predicate` until it returns something truthy; fail the test after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
@@ -89,7 +91,8 @@ def database_url() -> str:
     db = connection.settings_dict
     if db["ENGINE"].endswith("sqlite3"):
         return f"sqlite:///{db['NAME']}"
-    return f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    host = f"{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}"
+    return f"postgres://{db['USER']}:{db['PASSWORD']}@{host}/{db['NAME']}"
 
 
 @dataclass

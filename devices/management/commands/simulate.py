@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 STATS_INTERVAL_SECONDS = 1.0
 # Exit status when any device saw two commands in flight: distinct from Django's 1 (error).
 EXIT_OVERLAP = 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Command(BaseCommand):
@@ -48,10 +49,9 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         stats_file = Path(options["stats_file"]) if options["stats_file"] else None
         stopping = threading.Event()
-        previous = {
-            signum: signal.signal(signum, lambda *_: stopping.set())
-            for signum in (signal.SIGINT, signal.SIGTERM)
-        }
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            previous = {signum: signal.signal(signum, lambda *_: stopping.set()) for signum in STOP_SIGNALS}
         try:
             try:
                 simulator.start()

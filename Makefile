@@ -1,0 +1,41 @@
+# Two commands do everything on a fresh machine with Python 3.11+: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-pip lint format bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Start Redis, an MQTT broker, worker, beat, bridge, web and simulated devices; run the demo.
+run: install
+	$(BIN)/python -m iotqueue.devstack
+
+## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set).
+test: install
+	$(BIN)/python -m pytest
+
+## End-to-end tests with the pip-installed servers only (what a laptop without them gets).
+test-pip: install
+	IOTQUEUE_EMBEDDED=pip $(BIN)/python -m pytest tests/jobs/test_end_to_end.py tests/iotqueue/test_servers.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache

@@ -1,0 +1,75 @@
+"""Demo data for the dev stack: SCENARIOS.md #1, two routines that share lamp-2."""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from rest_framework.authtoken.models import Token
+
+from devices.models import Device
+
+from .models import JobRun, JobStep, JobTemplate, StepStatus
+from .services import run_start
+
+DEVICES = {
+    "gate-1": "Entrance gate",
+    "lamp-2": "Lab lamp, shared by both routines",
+    "cam-3": "Lab camera",
+    "vac-4": "Cleaning robot",
+}
+TEMPLATES = {
+    "Morning": [("gate-1", "unlock", {}), ("lamp-2", "on", {"level": 80}), ("cam-3", "snapshot", {})],
+    "Cleaning": [("lamp-2", "on", {"level": 100}), ("vac-4", "start", {"zone": "B"})],
+}
+STATUS_MARK = {
+    StepStatus.SUCCEEDED: "ok",
+    StepStatus.FAILED: "FAILED",
+    StepStatus.TIMED_OUT: "TIMED OUT",
+    StepStatus.CANCELED: "canceled",
+    StepStatus.DISPATCHED: "sent",
+    StepStatus.IN_PROGRESS: "working",
+    StepStatus.QUEUED: "waiting",
+    StepStatus.RETRYING: "retrying",
+}
+
+
+def demo_seed() -> str:
+    """Create the demo devices, templates and an admin/admin superuser; return its API token."""
+    for name, description in DEVICES.items():
+        Device.objects.get_or_create(name=name, defaults={"description": description})
+    for template_name, steps in TEMPLATES.items():
+        template, created = JobTemplate.objects.get_or_create(name=template_name)
+        if created:
+            for position, (device, action, args) in enumerate(steps):
+                JobStep.objects.create(
+                    template=template,
+                    position=position,
+                    device=Device.objects.get(name=device),
+                    action=action,
+                    args=args,
+                    timeout_seconds=30,
+                )
+    user_model = get_user_model()
+    admin = user_model.objects.filter(username="admin").first()
+    if admin is None:
+        admin = user_model.objects.create_superuser("admin", "admin@example.com", "admin")
+    return Token.objects.get_or_create(user=admin)[0].key
+
+
+def demo_trigger(*, runs_per_template: int) -> list[JobRun]:
+    """Start the demo runs, alternating templates so both contend for lamp-2."""
+    started = []
+    for _ in range(runs_per_template):
+        for template in JobTemplate.objects.filter(name__in=TEMPLATES).order_by("-name"):
+            started.append(run_start(template=template, trigger="cli", triggered_by="demo")[0])
+    return started
+
+
+def run_progress_line(run: JobRun) -> str:
+    """One line saying where a run stands, step by step."""
+    by_index = {s.index: s for s in run.step_runs.all()}
+    parts = []
+    for index, spec in enumerate(run.plan):
+        step = by_index.get(index)
+        mark = STATUS_MARK.get(step.status, step.status) if step else "-"
+        parts.append(f"{spec['device']} {spec['action']}: {mark}")
+    return f"{run.template.name:<10} {str(run.pk)[:8]}  {run.status:<10} " + " | ".join(parts)
