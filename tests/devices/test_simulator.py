@@ -21,9 +21,6 @@ from iotqueue.mqtt import broker_address
 
 pytestmark = pytest.mark.timeout(60)
 
-# The machine's Mosquitto, used only while iotqueue.servers cannot start a broker of our own;
-# a random topic prefix per test keeps tests apart on it.
-FALLBACK_MQTT_URL = "mqtt://127.0.0.1:1883"
 # Long enough to publish a second command while the first is still in flight, short for a fast suite.
 SLOW_MS = 400
 # How long "nothing arrives" is watched: several times the default 20-80 ms reply latency.
@@ -132,21 +129,16 @@ def wait_until(condition: Callable[[], bool], timeout: float = WAIT_SECONDS) -> 
         time.sleep(0.01)
 
 
-@pytest.fixture(scope="module")
-def broker_url(tmp_path_factory) -> Iterator[str]:
-    try:
-        from iotqueue.servers import mqtt_broker_start
-    except ImportError:
-        yield FALLBACK_MQTT_URL
-        return
-    with mqtt_broker_start(tmp_path_factory.mktemp("mqtt")) as server:
-        yield server.url
+@pytest.fixture
+def broker_url(services) -> str:
+    return services.mqtt_url
 
 
 @pytest.fixture
-def prefix(settings, broker_url) -> str:
+def prefix(settings, services, broker_url) -> str:
     settings.MQTT_URL = broker_url
-    settings.IOTQUEUE_TOPIC_PREFIX = f"simtest-{uuid.uuid4().hex[:8]}"
+    # A prefix per test: retained statuses and stray replies of one test never reach the next.
+    settings.IOTQUEUE_TOPIC_PREFIX = f"{services.namespace}-sim{uuid.uuid4().hex[:6]}"
     return settings.IOTQUEUE_TOPIC_PREFIX
 
 
