@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,11 @@ class Queued:
 
 
 @dataclass(frozen=True)
+class NotReady:
+    """Redis lost the lock state (restart); nothing is granted until it is rebuilt."""
+
+
+@dataclass(frozen=True)
 class LockState:
     device: str
     holder: str | None
@@ -72,6 +78,7 @@ def _keys(device: str) -> dict[str, str]:
         "queue": redis_key("queue", tag),
         "leases": redis_key("leases"),
         "seq": redis_key("queue-seq"),
+        "epoch": redis_key("lock-epoch"),
     }
 
 
@@ -79,13 +86,21 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
-def device_lock_acquire(device: str, *, holder: str, priority: int, lease_seconds: float) -> Grant | Queued:
-    """Take the device's lock, or join its wait queue (idempotent for the same holder)."""
+def device_lock_acquire(
+    device: str, *, holder: str, priority: int, lease_seconds: float
+) -> Grant | Queued | NotReady:
+    """Take the device's lock, or join its wait queue (idempotent for the same holder).
+
+    NotReady means Redis restarted and lost every lock: the caller must leave its holder
+    waiting until `lock_epoch_start` has run after the locks were rebuilt.
+    """
     k = _keys(device)
     granted, value = _script("acquire")(
-        keys=[k["lock"], k["fence"], k["queue"], k["leases"], k["seq"]],
+        keys=[k["lock"], k["fence"], k["queue"], k["leases"], k["seq"], k["epoch"]],
         args=[holder, priority, _ms(lease_seconds), device],
     )
+    if granted == -1:
+        return NotReady()
     return Grant(holder, int(value)) if granted else Queued(int(value))
 
 
@@ -136,6 +151,40 @@ def device_lock_state(device: str) -> LockState:
         since_ms=int(lock["since"]) if "since" in lock else None,
         lease_until_ms=int(lease) if lease is not None else None,
         queue=list(queue),
+    )
+
+
+def device_lock_expired(*, limit: int, claim_seconds: float) -> list[tuple[str, Grant]]:
+    """Devices whose holder's lease ran out, with that holder's grant, for reclaiming.
+
+    Each returned lease is pushed out by `claim_seconds` so a concurrent or next monitor
+    tick does not reclaim it twice.
+    """
+    flat = _script("expired")(
+        keys=[redis_key("leases"), redis_key("lock", "")],
+        args=[int(time.time() * 1000), limit, _ms(claim_seconds)],
+    )
+    return [(flat[i], Grant(flat[i + 1], int(flat[i + 2]))) for i in range(0, len(flat), 3)]
+
+
+def lock_epoch_exists() -> bool:
+    """False after Redis lost its data: locks must be rebuilt before any grant."""
+    return bool(redis_connection().exists(redis_key("lock-epoch")))
+
+
+def lock_epoch_start() -> None:
+    """Declare the lock state complete; grants resume."""
+    redis_connection().set(redis_key("lock-epoch"), str(time.time()))
+
+
+def device_lock_restore(
+    device: str, *, holder: str | None, fence: int, floor: int, lease_seconds: float
+) -> None:
+    """Rebuild a device's lock from the database: its executing holder and fence floor."""
+    k = _keys(device)
+    _script("restore")(
+        keys=[k["lock"], k["fence"], k["leases"]],
+        args=[holder or "", floor, _ms(lease_seconds), device, fence],
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from django.dispatch import Signal
 from django.utils import timezone
 
 from . import protocol
@@ -17,21 +18,29 @@ log = logging.getLogger(__name__)
 LAST_SEEN_WRITE_INTERVAL = timedelta(seconds=15)
 
 
+# Sent (with name= and online=) when a device's presence actually changes; the jobs app
+# resumes or fails that device's steps. Sent from the bridge process.
+device_presence_changed = Signal()
+
+
 def device_presence_set(*, name: str, online: bool) -> bool:
-    """Record the device online/offline; False when no such device exists."""
+    """Record the device online/offline; True when that changed its state."""
     now = timezone.now()
-    updated = Device.objects.filter(name=name).update(online=online, last_seen=now, updated_at=now)
-    if updated:
+    changed = Device.objects.filter(name=name).exclude(online=online).update(online=online, last_seen=now)
+    if changed:
         log.info("device %s is %s", name, "online" if online else "offline")
-    return bool(updated)
+        device_presence_changed.send(sender=Device, name=name, online=online)
+    return bool(changed)
 
 
 def device_seen(*, name: str) -> None:
-    """A heartbeat: refresh last_seen (throttled) and mark the device online."""
+    """A heartbeat: refresh last_seen (throttled); an offline device is back online."""
+    if device_presence_set(name=name, online=True):
+        return
     now = timezone.now()
-    Device.objects.filter(name=name).exclude(
-        last_seen__gt=now - LAST_SEEN_WRITE_INTERVAL, online=True
-    ).update(last_seen=now, online=True)
+    Device.objects.filter(name=name).exclude(last_seen__gt=now - LAST_SEEN_WRITE_INTERVAL).update(
+        last_seen=now
+    )
 
 
 def presence_message_handle(topic: str, payload: bytes) -> None:

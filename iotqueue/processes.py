@@ -40,8 +40,10 @@ def worker_argv(*, concurrency: int = 2, hostname: str = "worker") -> list[str]:
     )
 
 
-def beat_argv(schedule_dir: Path) -> list[str]:
-    return celery_argv("beat", "--loglevel=INFO", f"--pidfile={schedule_dir / 'beat.pid'}")
+def beat_argv(state_dir: Path, *, scheduler: str = "") -> list[str]:
+    """Beat with the configured scheduler, or e.g. celery.beat:PersistentScheduler (a file)."""
+    extra = [f"--scheduler={scheduler}", f"--schedule={state_dir / 'beat-schedule'}"] if scheduler else []
+    return celery_argv("beat", "--loglevel=INFO", f"--pidfile={state_dir / 'beat.pid'}", *extra)
 
 
 def manage_argv(*args: str) -> list[str]:

@@ -125,8 +125,15 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 # Unacked tasks of a killed worker come back after this long; the monitor, not
 # redelivery, is what rescues a run, so it may be generous.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=3600)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=300)}
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# The monitor tick (timeouts, retries, lease reclaim); its period bounds how late a
+# deadline fires. DatabaseScheduler copies this entry into its table on start, and
+# `manage.py monitors_install` does so too (both idempotent).
+IOTQUEUE_MONITOR_INTERVAL = env.float("IOTQUEUE_MONITOR_INTERVAL", default=1.0)
+CELERY_BEAT_SCHEDULE = {
+    "iotqueue-monitor": {"task": "jobs.monitor_tick", "schedule": IOTQUEUE_MONITOR_INTERVAL},
+}
 CELERY_TIMEZONE = TIME_ZONE
 
 # --- MQTT ------------------------------------------------------------------------------

@@ -1,15 +1,15 @@
-"""The step engine: start steps, dispatch commands under the device lock, apply replies.
+"""The step engine, forward path: start runs and steps, take device locks, dispatch commands.
 
 No function here waits for a device. A step is queued on its device's lock; when granted
-it is dispatched (row committed with its command id and fence, then the command
-published) and the function returns. The device's `done` comes back through the bridge as
-a `step_reply` task, which completes the step, releases the lock (handing it to the next
-waiter, who is dispatched at once) and starts the run's next step. The database row is the
-truth about where a run stands; every transition is a compare-and-set plus a RunEvent, so
-a task that runs twice (redelivery) or a reply that arrives twice changes nothing.
+it is dispatched (row committed with its command id, fence and deadline, then the command
+published) and the function returns. The reply comes back through the bridge as a
+`step_reply` task (jobs/outcomes.py), which ends the attempt, hands the lock on and starts
+the run's next step. The database row is the truth about where a run stands: every
+transition is a compare-and-set plus a RunEvent, so a task that runs twice changes nothing.
 
-Transitions (step):   queued -> dispatched -> in_progress -> succeeded | failed
-Transitions (run):    pending -> running -> succeeded | failed
+Step:  pending -> queued -> dispatched -> in_progress -> succeeded | failed | timed_out
+       (retrying between attempts; canceled from any non-final state; see docs/architecture.md)
+Run:   pending -> running -> succeeded | failed | timed_out | canceled
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from devices import protocol
 from devices.locks import (
     Grant,
+    NotReady,
     device_lock_acquire,
     device_lock_extend,
     device_lock_handoff,
@@ -35,10 +35,12 @@ from devices.locks import (
 )
 from devices.models import Device
 from iotqueue.mqtt import PublishError, publisher
+from iotqueue.redis_conn import redis_connection
 
 from . import templating
+from .deadlines import Deadline, deadlines_clear, deadlines_set
 from .events import event_record
-from .models import STEP_IN_FLIGHT, JobRun, OnFailure, RunStatus, StepRun, StepStatus
+from .models import STEP_IN_FLIGHT, JobRun, RunStatus, StepRun, StepStatus
 
 log = logging.getLogger(__name__)
 
@@ -46,27 +48,39 @@ HOLDER_KIND = "step"
 # The lock lease outlives the step's own timeout by this much, so the timeout (a step
 # outcome) always fires before the lease expiry (a crash-recovery path).
 LEASE_GRACE_SECONDS = 30.0
-# A command whose publish failed is sent again after this many seconds.
-RESEND_DELAY_SECONDS = 2.0
+# A command committed but not confirmed published by then is sent again (outbox): covers
+# a worker that died between commit and publish, and a broker that refused the publish.
+SEND_CHECK_SECONDS = 5.0
 
 
-def _holder(step_run: StepRun) -> str:
+def step_holder(step_run: StepRun) -> str:
     return holder_name(HOLDER_KIND, step_run.pk)
 
 
-def _spec(step_run: StepRun) -> dict[str, Any]:
+def step_spec(step_run: StepRun) -> dict[str, Any]:
     return step_run.run.plan[step_run.index]
 
 
-def _lease_seconds(spec: dict[str, Any]) -> float:
+def lease_seconds(spec: dict[str, Any]) -> float:
     return float(spec["timeout_seconds"]) + LEASE_GRACE_SECONDS
+
+
+def command_id_new(step_run: StepRun, attempt: int) -> str:
+    """Unique per attempt, and names its step so a late reply can be attributed."""
+    return f"{step_run.pk}-{attempt}-{uuid.uuid4().hex[:12]}"
+
+
+def command_id_step(command_id: str) -> int | None:
+    """The step run id a command id names, or None for a foreign id."""
+    head = command_id.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 # --- runs -----------------------------------------------------------------------------
 
 
 def run_advance(*, run_id: str) -> None:
-    """Start a pending run, or (re)start the step at a running run's cursor."""
+    """Start a pending run, or (re)start the step at a running run's cursor (idempotent)."""
     run = JobRun.objects.get(pk=run_id)
     if run.status == RunStatus.PENDING:
         now = timezone.now()
@@ -124,6 +138,7 @@ def step_start(*, run: JobRun, index: int) -> None:
         event_record("step.failed", run=run, device=device.name, message=str(exc), index=index)
         run_finish(run=run, status=RunStatus.FAILED, error=f"step {index}: {exc}")
         return
+    now = timezone.now()
     step_run, created = StepRun.objects.get_or_create(
         run=run,
         index=index,
@@ -132,55 +147,85 @@ def step_start(*, run: JobRun, index: int) -> None:
             "action": spec["action"],
             "args": args,
             "status": StepStatus.QUEUED,
-            "queued_at": timezone.now(),
+            "queued_at": now,
+            "deadline": now + timedelta(seconds=spec["queue_timeout_seconds"]),
         },
     )
     step_run.run = run
     if created:
+        deadlines_set({Deadline("queue", step_run.pk, 0): step_run.deadline})
         event_record("step.queued", step_run=step_run, message=f"{device.name} {spec['action']}")
     if step_run.status == StepStatus.QUEUED:
         step_acquire(step_run=step_run)
 
 
 def step_acquire(*, step_run: StepRun) -> None:
-    """Take the device lock and dispatch, or wait in the device's queue (no worker waits)."""
+    """Take the device lock and dispatch, or wait (device busy or offline; no worker waits).
+
+    A step for an offline device stays queued outside the lock queue; the device's return
+    online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait.
+    """
+    if not step_run.device.online:
+        event_record("step.waiting", step_run=step_run, message=f"device {step_run.device.name} is offline")
+        return
     outcome = device_lock_acquire(
         step_run.device.name,
-        holder=_holder(step_run),
+        holder=step_holder(step_run),
         priority=step_run.run.priority,
-        lease_seconds=_lease_seconds(_spec(step_run)),
+        lease_seconds=lease_seconds(step_spec(step_run)),
     )
     if isinstance(outcome, Grant):
         step_dispatch(step_run_id=step_run.pk, fence=outcome.fence)
+    elif isinstance(outcome, NotReady):
+        from .monitor import locks_rebuild
+
+        # Redis lost the locks; rebuilding them re-acquires every queued step, this one too.
+        locks_rebuild()
     else:
         event_record("step.waiting", step_run=step_run, message=f"device busy, position {outcome.position}")
 
 
 def step_dispatch(*, step_run_id: int, fence: int) -> None:
-    """Commit the attempt (command id, fence, deadline), then publish the command."""
+    """Commit the attempt (command id, fence, deadlines), then publish the command."""
     step_run = StepRun.objects.select_related("run", "device").get(pk=step_run_id)
-    if step_run.status not in (StepStatus.QUEUED, StepStatus.RETRYING):
+    if step_run.status != StepStatus.QUEUED or step_run.run.status != RunStatus.RUNNING:
         if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
-            return  # redelivered: already dispatched under this grant
-        _lock_pass_on(step_run.device.name, holder=_holder(step_run), fence=fence)
+            return  # redelivered task: already dispatched under this grant
+        lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=fence)
         return
-    if step_run.run.status != RunStatus.RUNNING:
-        _lock_pass_on(step_run.device.name, holder=_holder(step_run), fence=fence)
-        return
-    spec = _spec(step_run)
+    spec = step_spec(step_run)
     now = timezone.now()
     attempt = step_run.attempt + 1
     changes = {
         "status": StepStatus.DISPATCHED,
         "attempt": attempt,
-        "command_id": uuid.uuid4().hex,
+        "command_id": command_id_new(step_run, attempt),
         "fence": fence,
         "deadline": now + timedelta(seconds=spec["timeout_seconds"]),
         "dispatched_at": now,
+        "acked_at": None,
+        "progress": None,
     }
+    deadlines = {Deadline("done", step_run.pk, attempt): changes["deadline"]}
+    if spec.get("ack_timeout_seconds"):
+        deadlines[Deadline("ack", step_run.pk, attempt)] = now + timedelta(
+            seconds=spec["ack_timeout_seconds"]
+        )
+    # Deadlines go in before the commit: if this process dies after committing, the
+    # `send` deadline re-sends the command and `done` times the attempt out.
+    with redis_connection().pipeline(transaction=False) as pipe:
+        deadlines_set(
+            {
+                **deadlines,
+                Deadline("send", step_run.pk, attempt): now + timedelta(seconds=SEND_CHECK_SECONDS),
+            },
+            pipe=pipe,
+        )
+        deadlines_clear([Deadline("queue", step_run.pk, step_run.attempt)], pipe=pipe)
+        pipe.execute()
     with transaction.atomic():
         claimed = StepRun.objects.filter(
-            pk=step_run.pk, status=step_run.status, attempt=step_run.attempt
+            pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt
         ).update(**changes)
         if not claimed:
             return
@@ -188,13 +233,17 @@ def step_dispatch(*, step_run_id: int, fence: int) -> None:
             setattr(step_run, field, value)
         event_record("step.dispatched", step_run=step_run, message=f"attempt {attempt}, fence {fence}")
     device_lock_extend(
-        step_run.device.name, holder=_holder(step_run), fence=fence, lease_seconds=_lease_seconds(spec)
+        step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
     )
-    command_send(step_run=step_run)
+    if command_send(step_run=step_run):
+        deadlines_clear([Deadline("send", step_run.pk, attempt)])
 
 
 def command_send(*, step_run: StepRun) -> bool:
-    """Publish the step's current command (QoS 1); on failure schedule a re-send."""
+    """Publish the step's current command (QoS 1); False (and an event) when it failed.
+
+    A failed publish is retried by the `send` deadline; the device deduplicates by id.
+    """
     payload = protocol.command_payload(
         command_id=step_run.command_id,
         run=str(step_run.run_id),
@@ -209,25 +258,29 @@ def command_send(*, step_run: StepRun) -> bool:
         publisher.publish(step_run.device.command_topic_for(step_run.action), payload)
     except PublishError as exc:
         event_record("step.publish_failed", step_run=step_run, message=str(exc))
-        from .tasks import command_resend_task
-
-        command_resend_task.apply_async((step_run.pk, step_run.command_id), countdown=RESEND_DELAY_SECONDS)
         return False
     return True
 
 
-def command_resend(*, step_run_id: int, command_id: str) -> None:
-    """Re-send a command whose publish failed, if it is still the step's current one."""
+def command_resend(*, step_run_id: int, attempt: int) -> None:
+    """The `send` deadline: re-send a command whose publish was never confirmed."""
     step_run = (
         StepRun.objects.select_related("run", "device")
-        .filter(pk=step_run_id, command_id=command_id, status__in=STEP_IN_FLIGHT)
+        .filter(pk=step_run_id, attempt=attempt, status=StepStatus.DISPATCHED)
         .first()
     )
-    if step_run is not None:
-        command_send(step_run=step_run)
+    if step_run is None:
+        return
+    event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
+    if not command_send(step_run=step_run):
+        deadlines_set(
+            {Deadline("send", step_run.pk, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
+        )
+    else:
+        deadlines_clear([Deadline("send", step_run.pk, attempt)])
 
 
-def _lock_pass_on(device: str, *, holder: str, fence: int) -> None:
+def lock_pass_on(device: str, *, holder: str, fence: int) -> None:
     """Release a lock this holder no longer needs and start whoever gets it next."""
     grant = device_lock_release(device, holder=holder, fence=fence)
     if grant is not None:
@@ -239,89 +292,3 @@ def _step_handoff(device: str, grant: Grant) -> None:
 
 
 grant_handler_register(HOLDER_KIND, _step_handoff)
-
-
-# --- replies --------------------------------------------------------------------------
-
-
-def step_reply(*, device: str, reply: protocol.Reply) -> None:
-    """Apply a device's ack/progress/done to the step it answers, if it is current."""
-    step_run = StepRun.objects.select_related("run", "device").filter(command_id=reply.command_id).first()
-    if step_run is None:
-        event_record(
-            "reply.unknown", device=device, message=f"{reply.kind} for unknown command {reply.command_id}"
-        )
-        return
-    if step_run.device.name != device:
-        event_record(
-            "reply.foreign_device",
-            step_run=step_run,
-            device=device,
-            message=f"{device} answered a command of {step_run.device.name}; ignored",
-        )
-        return
-    if reply.kind == "done":
-        step_complete(step_run=step_run, reply=reply)
-    else:
-        step_progress(step_run=step_run, reply=reply)
-
-
-def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
-    """ack/progress: the device is working on the current attempt."""
-    changes: dict[str, Any] = {
-        "status": StepStatus.IN_PROGRESS,
-        "acked_at": Coalesce("acked_at", timezone.now()),
-    }
-    if reply.progress is not None:
-        changes["progress"] = reply.progress
-    updated = StepRun.objects.filter(
-        pk=step_run.pk, command_id=reply.command_id, status__in=STEP_IN_FLIGHT
-    ).update(**changes)
-    if not updated:
-        event_record("reply.stale", step_run=step_run, message=f"{reply.kind} after the step ended")
-    elif step_run.status == StepStatus.DISPATCHED:
-        event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
-
-
-def step_complete(*, step_run: StepRun, reply: protocol.Reply) -> None:
-    """done: end the attempt (once), hand the device on, continue the run."""
-    status = StepStatus.SUCCEEDED if reply.ok else StepStatus.FAILED
-    with transaction.atomic():
-        completed = StepRun.objects.filter(
-            pk=step_run.pk, command_id=reply.command_id, status__in=STEP_IN_FLIGHT
-        ).update(
-            status=status,
-            result=reply.result if reply.ok else None,
-            error=reply.error,
-            progress=100 if reply.ok else step_run.progress,
-            finished_at=timezone.now(),
-        )
-        if completed:
-            step_run.status, step_run.error, step_run.result = status, reply.error, reply.result
-            event_record(f"step.{status}", step_run=step_run, message=reply.error)
-        else:
-            event_record("reply.stale", step_run=step_run, message="done for an attempt that already ended")
-    if completed:
-        step_finalize(step_run=step_run)
-
-
-def step_finalize(*, step_run: StepRun) -> None:
-    """After a step ended: release its device lock (hand-off) and move the run on."""
-    if step_run.fence is not None:
-        _lock_pass_on(step_run.device.name, holder=_holder(step_run), fence=step_run.fence)
-    run = step_run.run
-    spec = _spec(step_run)
-    if step_run.status == StepStatus.SUCCEEDED or spec.get("on_failure") == OnFailure.CONTINUE:
-        moved = JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=step_run.index).update(
-            cursor=step_run.index + 1
-        )
-        if moved:
-            run.cursor = step_run.index + 1
-            step_start(run=run, index=run.cursor)
-        return
-    run_finish(
-        run=run,
-        status=RunStatus.FAILED,
-        error=f"step {step_run.index} ({step_run.device.name} {step_run.action}) {step_run.status}: "
-        f"{step_run.error}",
-    )

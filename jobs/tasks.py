@@ -1,10 +1,16 @@
-"""Celery tasks: thin entry points that take ids and JSON values and call the engine."""
+"""Celery tasks: thin entry points that take ids and JSON values and call the engine.
+
+Every task is safe to run twice (acks_late redelivery): the engine's transitions are
+compare-and-sets on (step, attempt, command id, fence).
+"""
 
 from celery import shared_task
 
 from devices.protocol import Reply
 
-from . import engine
+from . import cancel, engine, monitor, outcomes, presence
+from .deadlines import Deadline
+from .models import JobRun
 
 
 @shared_task(name="jobs.run_advance")
@@ -14,9 +20,34 @@ def run_advance_task(run_id: str) -> None:
 
 @shared_task(name="jobs.step_reply")
 def step_reply_task(device: str, reply: dict) -> None:
-    engine.step_reply(device=device, reply=Reply(**reply))
+    outcomes.step_reply(device=device, reply=Reply(**reply))
 
 
-@shared_task(name="jobs.command_resend")
-def command_resend_task(step_run_id: int, command_id: str) -> None:
-    engine.command_resend(step_run_id=step_run_id, command_id=command_id)
+@shared_task(name="jobs.step_deadline")
+def step_deadline_task(kind: str, step_run_id: int, attempt: int) -> None:
+    outcomes.step_deadline(deadline=Deadline(kind, step_run_id, attempt))
+
+
+@shared_task(name="jobs.lease_reclaim")
+def lease_reclaim_task(device: str, holder: str, fence: int) -> None:
+    monitor.lease_reclaim(device=device, holder=holder, fence=fence)
+
+
+@shared_task(name="jobs.monitor_tick")
+def monitor_tick_task() -> dict:
+    return monitor.monitor_tick()
+
+
+@shared_task(name="jobs.device_presence")
+def device_presence_task(name: str, online: bool) -> None:
+    if online:
+        presence.device_online(name=name)
+    else:
+        presence.device_offline(name=name)
+
+
+@shared_task(name="jobs.run_cancel")
+def run_cancel_task(run_id: str, by: str) -> None:
+    run = JobRun.objects.filter(pk=run_id).first()
+    if run is not None:
+        cancel.run_cancel(run=run, by=by)

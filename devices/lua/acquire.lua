@@ -1,9 +1,16 @@
 -- Acquire a device lock, or join the device's wait queue.
 -- KEYS[1] lock hash {holder, fence, since}   KEYS[2] fence counter   KEYS[3] wait queue (zset)
 -- KEYS[4] lease index (zset device -> lease expiry ms)   KEYS[5] queue arrival counter
+-- KEYS[6] epoch: exists while Redis holds the lock state; gone after Redis lost its data
 -- ARGV[1] holder   ARGV[2] priority 0..9 (9 most urgent)   ARGV[3] lease ms   ARGV[4] device name
 -- Returns {1, fence} when granted (also when the caller already holds it: re-acquire is
--- idempotent, so a redelivered task does not queue behind itself), or {0, position} when queued.
+-- idempotent, so a redelivered task does not queue behind itself), {0, position} when
+-- queued, or {-1, 0} when the epoch is missing: granting now could hand a device that is
+-- still executing a command to a second holder, so nothing is granted until the lock
+-- state has been rebuilt from the database.
+if redis.call('EXISTS', KEYS[6]) == 0 then
+  return {-1, 0}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local holder = redis.call('HGET', KEYS[1], 'holder')

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 SLOW_MS = 400
 # How long "nothing arrives" is watched: several times the default 20-80 ms reply latency.
 QUIET_SECONDS = 0.4
+# Upper bound on any wait for the broker: loopback round trips take milliseconds, so this only
+# turns a broken test into a quick failure.
 WAIT_SECONDS = 5.0
 
 

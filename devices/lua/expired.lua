@@ -1,0 +1,19 @@
+-- List devices whose lock lease has expired, and push each lease out by ARGV[3] ms so the
+-- next monitor tick does not claim it again while this one is reclaiming it.
+-- KEYS[1] lease index   ARGV[1] now ms   ARGV[2] batch size   ARGV[3] claim ms
+-- Returns a flat list: device, holder, fence, device, holder, fence, ...
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for _, device in ipairs(due) do
+  local lock = KEYS[2] .. '{' .. device .. '}'
+  local holder = redis.call('HGET', lock, 'holder')
+  if holder then
+    redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[3]), device)
+    table.insert(out, device)
+    table.insert(out, holder)
+    table.insert(out, redis.call('HGET', lock, 'fence'))
+  else
+    redis.call('ZREM', KEYS[1], device)
+  end
+end
+return out

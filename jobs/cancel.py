@@ -1,0 +1,108 @@
+"""Operator actions that stop work: cancel a run, force-release a device's lock."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.utils import timezone
+
+from devices import protocol
+from devices.locks import (
+    device_lock_dequeue,
+    device_lock_handoff,
+    device_lock_release,
+    device_lock_state,
+    holder_parse,
+)
+from devices.models import Device
+from iotqueue.mqtt import PublishError, publisher
+
+from .deadlines import KINDS, Deadline, deadlines_clear
+from .engine import HOLDER_KIND, lock_pass_on, step_holder
+from .events import event_record
+from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
+from .outcomes import attempt_end
+
+CANCEL_ID_PREFIX = "cancel-"
+
+
+def run_cancel(*, run: JobRun, by: str) -> bool:
+    """Cancel a pending or running run; False when it had already ended.
+
+    Queued steps leave their device queue; an in-flight step's device gets a `cancel`
+    command for it and the lock is handed on at once (the device's late `done` for the
+    canceled command is recorded as stale).
+    """
+    reason = f"canceled by {by or 'unknown'}"
+    if not JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING)).update(
+        status=RunStatus.CANCELED, error=reason, finished_at=timezone.now()
+    ):
+        return False
+    run.status = RunStatus.CANCELED
+    event_record("run.canceled", run=run, message=reason)
+    for step_run in run.step_runs.select_related("run", "device").exclude(status__in=STEP_TERMINAL):
+        step_cancel(step_run=step_run, reason=reason)
+    return True
+
+
+def step_cancel(*, step_run: StepRun, reason: str) -> None:
+    previous = step_run.status
+    if not StepRun.objects.filter(pk=step_run.pk, status=previous, attempt=step_run.attempt).update(
+        status=StepStatus.CANCELED, error=reason, finished_at=timezone.now()
+    ):
+        return  # it moved on meanwhile; a finished attempt needs no cancel
+    step_run.status = StepStatus.CANCELED
+    deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
+    if previous in STEP_IN_FLIGHT:
+        _cancel_command_send(step_run)
+        lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
+    else:
+        device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
+    event_record("step.canceled", step_run=step_run, message=reason)
+
+
+def _cancel_command_send(step_run: StepRun) -> None:
+    payload = protocol.command_payload(
+        command_id=f"{CANCEL_ID_PREFIX}{step_run.pk}-{uuid.uuid4().hex[:8]}",
+        run=str(step_run.run_id),
+        step=step_run.index,
+        attempt=step_run.attempt,
+        token=step_run.fence,
+        action=protocol.CANCEL_ACTION,
+        args={"id": step_run.command_id},
+        deadline=timezone.now().isoformat(),
+    )
+    try:
+        publisher.publish(step_run.device.command_topic_for(protocol.CANCEL_ACTION), payload)
+    except PublishError as exc:
+        event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
+
+
+def lock_force_release(*, device: Device, by: str) -> str | None:
+    """Take the lock from whoever holds it (audited); returns the holder it was taken from.
+
+    A step that held it has its attempt ended as failed (retried if it has budget left).
+    """
+    state = device_lock_state(device.name)
+    if state.holder is None:
+        return None
+    reason = f"lock force-released by {by or 'unknown'}"
+    kind, ident = holder_parse(state.holder)
+    step_run = None
+    if kind == HOLDER_KIND and ident.isdigit():
+        step_run = StepRun.objects.select_related("run", "device").filter(pk=int(ident)).first()
+    event_record(
+        "lock.force_released",
+        run=step_run.run if step_run else None,
+        device=device.name,
+        message=reason,
+        holder=state.holder,
+        fence=state.fence,
+    )
+    if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == state.fence:
+        attempt_end(step_run=step_run, command_id=step_run.command_id, ok=False, error=reason, retryable=True)
+        return state.holder
+    grant = device_lock_release(device.name, holder=state.holder, fence=state.fence or 0, force=True)
+    if grant is not None:
+        device_lock_handoff(device.name, grant)
+    return state.holder

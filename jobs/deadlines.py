@@ -1,0 +1,74 @@
+"""Step deadlines in a Redis sorted set: the monitor's cost is O(what is due).
+
+A member is "<kind>:<step_run_id>:<attempt>" scored by its due time (ms since the epoch).
+Kinds: `queue` (waited too long for the device), `ack` and `done` (the device did not
+answer in time), `retry` (back-off over: queue again), `send` (the command was committed
+but its publish never confirmed: send it again).
+
+How it fails: the set lives in Redis, so a Redis restart loses it. The step rows carry
+the same deadline (`StepRun.deadline`), and the monitor's reconcile pass re-finds overdue
+steps from the database; so a lost member delays a timeout, it never loses a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from iotqueue.redis_conn import redis_connection, redis_key
+
+KINDS = ("queue", "ack", "done", "retry", "send")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    kind: str
+    step_run_id: int
+    attempt: int
+
+    @property
+    def member(self) -> str:
+        return f"{self.kind}:{self.step_run_id}:{self.attempt}"
+
+    @classmethod
+    def parse(cls, member: str) -> Deadline:
+        kind, step_run_id, attempt = member.split(":")
+        return cls(kind, int(step_run_id), int(attempt))
+
+
+def _key() -> str:
+    return redis_key("deadlines")
+
+
+@functools.cache
+def _claim_script():
+    return redis_connection().register_script((Path(__file__).with_name("lua") / "claim_due.lua").read_text())
+
+
+def _ms(when: datetime | float) -> int:
+    return int((when.timestamp() if isinstance(when, datetime) else when) * 1000)
+
+
+def deadlines_set(entries: dict[Deadline, datetime | float], *, pipe=None) -> None:
+    """Add (or move) deadlines; `pipe` joins an existing pipeline."""
+    target = pipe if pipe is not None else redis_connection()
+    target.zadd(_key(), {d.member: _ms(when) for d, when in entries.items()})
+
+
+def deadlines_clear(deadlines: list[Deadline], *, pipe=None) -> None:
+    if deadlines:
+        target = pipe if pipe is not None else redis_connection()
+        target.zrem(_key(), *[d.member for d in deadlines])
+
+
+def deadlines_claim(*, limit: int, now: float | None = None) -> list[Deadline]:
+    """Atomically take up to `limit` deadlines that are due (earliest first)."""
+    members = _claim_script()(keys=[_key()], args=[_ms(time.time() if now is None else now), limit])
+    return [Deadline.parse(m) for m in members]
+
+
+def deadlines_pending() -> int:
+    return redis_connection().zcard(_key())

@@ -1,0 +1,28 @@
+"""`manage.py monitors_install`: register the monitor's periodic task (idempotent)."""
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+
+class Command(BaseCommand):
+    help = "Create or update the beat entries the engine needs; re-running changes nothing."
+
+    def handle(self, *args, **options):
+        for name, entry in settings.CELERY_BEAT_SCHEDULE.items():
+            every = max(1, round(float(entry["schedule"])))
+            interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=IntervalSchedule.SECONDS)
+            task = PeriodicTask.objects.filter(name=name).first()
+            if (
+                task is not None
+                and task.task == entry["task"]
+                and task.interval_id == interval.pk
+                and task.enabled
+            ):
+                self.stdout.write(f"{name}: up to date")
+                continue
+            PeriodicTask.objects.update_or_create(
+                name=name,
+                defaults={"task": entry["task"], "interval": interval, "crontab": None, "enabled": True},
+            )
+            self.stdout.write(f"{name}: {entry['task']} every {every}s installed")

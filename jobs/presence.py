@@ -1,0 +1,38 @@
+"""How runs react to a device's presence: resume waiting steps, end attempts on dropout."""
+
+from __future__ import annotations
+
+from .engine import step_acquire
+from .models import STEP_IN_FLIGHT, StepRun, StepStatus
+from .outcomes import attempt_end
+
+
+def device_online(*, name: str) -> int:
+    """The device is back: its waiting steps ask for the lock, oldest first."""
+    waiting = (
+        StepRun.objects.select_related("run", "device")
+        .filter(device__name=name, status=StepStatus.QUEUED)
+        .order_by("queued_at", "pk")
+    )
+    count = 0
+    for step_run in waiting:
+        step_acquire(step_run=step_run)
+        count += 1
+    return count
+
+
+def device_offline(*, name: str) -> int:
+    """The device dropped off mid-step: the attempt fails and is retried per its budget."""
+    in_flight = StepRun.objects.select_related("run", "device").filter(
+        device__name=name, status__in=STEP_IN_FLIGHT
+    )
+    count = 0
+    for step_run in in_flight:
+        count += attempt_end(
+            step_run=step_run,
+            command_id=step_run.command_id,
+            ok=False,
+            error=f"device {name} went offline during the attempt",
+            retryable=True,
+        )
+    return count
