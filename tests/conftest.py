@@ -18,9 +18,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from devices.locks import lock_epoch_exists
 from iotqueue import celery_app
 from iotqueue.mqtt import publisher
-from iotqueue.processes import Supervisor, manage_argv, worker_argv
+from iotqueue.processes import Supervisor, beat_argv, manage_argv, worker_argv
 from iotqueue.redis_conn import redis_connection
 from iotqueue.servers import EmbeddedServer, mqtt_broker_start, redis_start
 
@@ -107,7 +108,7 @@ class Stack:
         self.supervisor.wait_for_log(name, READY[name], since=offset)
 
 
-READY = {"worker": r"@\S+ ready\.", "bridge": r"bridge: connected"}
+READY = {"worker": r"@\S+ ready\.", "bridge": r"bridge: connected", "beat": r"beat: Starting"}
 
 
 @pytest.fixture(scope="session")
@@ -123,13 +124,20 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             "IOTQUEUE_TOPIC_PREFIX": services.namespace,
             "IOTQUEUE_REDIS_KEY_PREFIX": services.namespace,
             "CELERY_TASK_DEFAULT_QUEUE": services.namespace,
+            # Timeouts in tests are a second or two; a faster tick keeps the suite quick.
+            "IOTQUEUE_MONITOR_INTERVAL": "0.5",
         }
-    supervisor = Supervisor(tmp_path_factory.mktemp("logs"), env)
+    logs = tmp_path_factory.mktemp("logs")
+    supervisor = Supervisor(logs, env)
     try:
         supervisor.start("worker", worker_argv(concurrency=2))
         supervisor.start("bridge", manage_argv("bridge"))
+        # A file-based schedule: the database one would be flushed between tests.
+        supervisor.start("beat", beat_argv(logs, scheduler="celery.beat:PersistentScheduler"))
         for name, pattern in READY.items():
             supervisor.wait_for_log(name, pattern)
+        # The first monitor tick finds an empty Redis and opens the lock epoch.
+        wait_for(lock_epoch_exists, what="the monitor's first tick")
         yield Stack(supervisor, services)
     finally:
         supervisor.stop_all()
@@ -151,3 +159,20 @@ def simulator(services) -> Iterator[Callable[..., object]]:
     yield start
     for sim in started:
         sim.stop()
+
+
+@pytest.fixture
+def manual_device(services):
+    """manual_device(name) -> a ManualDevice subscribed to that device's commands."""
+    from tests.mqtt_device import ManualDevice
+
+    made = []
+
+    def make(name: str) -> ManualDevice:
+        device = ManualDevice(name, services.mqtt_url)
+        made.append(device)
+        return device
+
+    yield make
+    for device in made:
+        device.close()
