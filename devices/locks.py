@@ -22,16 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from django.conf import settings
+
 from iotqueue.redis_conn import redis_connection, redis_key
 
 log = logging.getLogger(__name__)
 
 LUA_DIR = Path(__file__).with_name("lua")
-
-# Lease given to a holder that was handed the lock by someone else's release, until its
-# own dispatch extends it to the step's deadline; long enough for a busy worker to pick
-# up the hand-off, short enough that a lost hand-off is reclaimed quickly.
-HANDOFF_LEASE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,13 +102,16 @@ def device_lock_acquire(
 
 
 def device_lock_release(
-    device: str, *, holder: str, fence: int, lease_seconds: float = HANDOFF_LEASE_SECONDS, force: bool = False
+    device: str, *, holder: str, fence: int, lease_seconds: float | None = None, force: bool = False
 ) -> Grant | None:
     """Release the lock and hand it to the next waiter; return that waiter's grant.
 
     Returns None when the lock is now free or when the caller no longer held it (a stale
     release changes nothing). `force` releases whoever holds it (operator, monitor).
+    The next holder's lease is IOTQUEUE_HANDOFF_LEASE_SECONDS unless `lease_seconds` says.
     """
+    if lease_seconds is None:
+        lease_seconds = settings.IOTQUEUE_HANDOFF_LEASE_SECONDS
     k = _keys(device)
     reply = _script("release")(
         keys=[k["lock"], k["fence"], k["queue"], k["leases"]],

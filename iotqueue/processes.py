@@ -96,6 +96,8 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Its own process group, so kill() can take a worker's pool children too.
+                start_new_session=True,
             )
         self.children[name] = child
         return child
@@ -120,7 +122,7 @@ class Supervisor:
         """Signal a child's whole process group (a Celery worker's pool children too)."""
         child = self.children[name]
         if child.alive():
-            os.kill(child.pid, sig)
+            os.killpg(child.pid, sig)
             if sig == signal.SIGKILL:
                 child.process.wait()
 

@@ -131,6 +131,12 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # deadline fires. DatabaseScheduler copies this entry into its table on start, and
 # `manage.py monitors_install` does so too (both idempotent).
 IOTQUEUE_MONITOR_INTERVAL = env.float("IOTQUEUE_MONITOR_INTERVAL", default=1.0)
+# How often the monitor sweeps the database for work Redis lost (a killed worker's task,
+# a Redis restart); a lost step is rescued within about this long.
+IOTQUEUE_RECONCILE_SECONDS = env.float("IOTQUEUE_RECONCILE_SECONDS", default=30.0)
+# Lease of a holder that was handed a device's lock, until its dispatch extends it: how
+# long a hand-off lost with a killed worker keeps the device idle.
+IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", default=60.0)
 CELERY_BEAT_SCHEDULE = {
     "iotqueue-monitor": {"task": "jobs.monitor_tick", "schedule": IOTQUEUE_MONITOR_INTERVAL},
 }

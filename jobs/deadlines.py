@@ -54,6 +54,8 @@ def _ms(when: datetime | float) -> int:
 
 def deadlines_set(entries: dict[Deadline, datetime | float], *, pipe=None) -> None:
     """Add (or move) deadlines; `pipe` joins an existing pipeline."""
+    if not entries:
+        return
     target = pipe if pipe is not None else redis_connection()
     target.zadd(_key(), {d.member: _ms(when) for d, when in entries.items()})
 

@@ -1,7 +1,7 @@
 """The monitor: one beat-driven tick that finds what is due and hands each item to a task.
 
 A tick costs O(what is due): it claims due deadlines and expired lock leases from Redis
-sorted sets in batches and enqueues one small task per item. Every RECONCILE_SECONDS one
+sorted sets in batches and enqueues one small task per item. Every IOTQUEUE_RECONCILE_SECONDS one
 tick also asks the database (the authority) for work Redis may have lost — overdue steps,
 runs that never started, runs whose step ended but that did not move on — through
 indexed queries, so a lost task or a Redis restart delays a run but never strands it.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import F, Max
 from django.utils import timezone
 
@@ -38,12 +39,6 @@ log = logging.getLogger(__name__)
 CLAIM_BATCH = 500
 # An expired lease being reclaimed is pushed out this far so it is not claimed twice.
 LEASE_CLAIM_SECONDS = 30.0
-# How often the database is swept for work Redis lost.
-RECONCILE_SECONDS = 30
-# Overdue by more than this before the sweep steps in (the fast path had its chance).
-RECONCILE_GRACE = timedelta(seconds=10)
-# A pending run not started within this long lost its start task.
-PENDING_GRACE = timedelta(seconds=30)
 # Only one process rebuilds the locks at a time; this bounds a crashed rebuilder's hold.
 REBUILD_LOCK_SECONDS = 60
 
@@ -68,7 +63,8 @@ def monitor_tick() -> dict[str, int]:
     for device, grant in expired:
         lease_reclaim_task.delay(device, grant.holder, grant.fence)
     swept = 0
-    if redis_connection().set(redis_key("reconcile"), "1", nx=True, ex=RECONCILE_SECONDS):
+    interval = settings.IOTQUEUE_RECONCILE_SECONDS
+    if redis_connection().set(redis_key("reconcile"), "1", nx=True, px=int(interval * 1000)):
         swept = reconcile()
     return {"deadlines": len(due), "leases": len(expired), "swept": swept}
 
@@ -102,8 +98,10 @@ def reconcile() -> int:
     from .tasks import run_advance_task
 
     now = timezone.now()
+    # Overdue by a third of the sweep interval: the fast path (deadline set) had its chance.
+    grace = timedelta(seconds=settings.IOTQUEUE_RECONCILE_SECONDS / 3)
     overdue = list(
-        StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__lt=now - RECONCILE_GRACE)
+        StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__lt=now - grace)
         .order_by("deadline")
         .values_list("pk", "status", "attempt")[:CLAIM_BATCH]
     )
@@ -111,7 +109,7 @@ def reconcile() -> int:
         {Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt): now for pk, status, attempt in overdue}
     )
     unstarted = list(
-        JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=now - PENDING_GRACE).values_list(
+        JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=now - 3 * grace).values_list(
             "pk", flat=True
         )[:CLAIM_BATCH]
     )
@@ -120,7 +118,7 @@ def reconcile() -> int:
     stalled = (
         StepRun.objects.select_related("run", "device")
         .filter(run__status=RunStatus.RUNNING, index=F("run__cursor"), status__in=STEP_TERMINAL)
-        .filter(finished_at__lt=now - RECONCILE_GRACE)[:CLAIM_BATCH]
+        .filter(finished_at__lt=now - grace)[:CLAIM_BATCH]
     )
     moved = 0
     for step_run in stalled:

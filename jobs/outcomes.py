@@ -230,9 +230,19 @@ def step_requeue(*, step_run: StepRun) -> None:
 
 
 def step_queue_timeout(*, step_run: StepRun) -> None:
-    """Waited too long for a busy or offline device: the step times out."""
-    from devices.locks import device_lock_dequeue
+    """Waited too long for a busy or offline device: the step times out.
 
+    Unless the step holds the device's lock already (its hand-off was lost with a killed
+    worker): then it is dispatched now instead.
+    """
+    from devices.locks import device_lock_dequeue, device_lock_state
+
+    from .engine import step_dispatch
+
+    state = device_lock_state(step_run.device.name)
+    if state.holder == step_holder(step_run) and state.fence is not None:
+        step_dispatch(step_run_id=step_run.pk, fence=state.fence)
+        return
     spec = step_spec(step_run)
     why = "offline" if not step_run.device.online else "busy"
     error = f"waited {spec['queue_timeout_seconds']}s for device {step_run.device.name} ({why})"

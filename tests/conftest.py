@@ -101,9 +101,13 @@ class Stack:
     supervisor: Supervisor
     services: Services
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str, *, kill: bool = False) -> None:
+        """Stop (or SIGKILL) a child and start it again, waiting until it is ready."""
         offset = self.supervisor.log_size(name)
-        self.supervisor.stop(name)
+        if kill:
+            self.supervisor.kill(name)
+        else:
+            self.supervisor.stop(name)
         self.supervisor.start(name, self.supervisor.children[name].argv)
         self.supervisor.wait_for_log(name, READY[name], since=offset)
 
@@ -126,6 +130,9 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             "CELERY_TASK_DEFAULT_QUEUE": services.namespace,
             # Timeouts in tests are a second or two; a faster tick keeps the suite quick.
             "IOTQUEUE_MONITOR_INTERVAL": "0.5",
+            # Rescue of lost work within seconds, not the production half-minute.
+            "IOTQUEUE_RECONCILE_SECONDS": "3",
+            "IOTQUEUE_HANDOFF_LEASE_SECONDS": "5",
         }
     logs = tmp_path_factory.mktemp("logs")
     supervisor = Supervisor(logs, env)

@@ -208,3 +208,54 @@ def test_step_on_missing_device_fails_the_run(stack):
     run, _ = run_start(template=template)
     assert wait_for(lambda: finished(run)).status == RunStatus.FAILED
     assert "disabled" in run.error
+
+
+def test_deadline_lost_from_redis_is_refound_in_the_database(stack, simulator):
+    # given a step in flight on a silent device whose Redis deadlines were lost
+    from iotqueue.redis_conn import redis_connection, redis_key
+
+    device = DeviceFactory()
+    simulator({device.name: DeviceBehaviour(silent=True)})
+    template = template_with_steps((device, "ping", {}))
+    template.steps.update(timeout_seconds=1)
+    run, _ = run_start(template=template)
+    wait_for(lambda: step_of(run) and step_of(run).status == StepStatus.DISPATCHED, what="dispatch")
+    step = step_of(run)
+    redis_connection().zrem(redis_key("deadlines"), f"done:{step.pk}:1", f"send:{step.pk}:1")
+
+    # then the database sweep still times it out
+    assert wait_for(lambda: finished(run), what="run to end").status == RunStatus.TIMED_OUT
+
+
+def test_runs_left_behind_by_lost_tasks_are_moved_on_by_the_sweep(stack, simulator):
+    # given what a killed worker leaves: a run whose start task was lost, and a run whose
+    # first step ended but that never moved to its second step
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.services import template_plan
+
+    device = DeviceFactory()
+    simulator({device.name: DeviceBehaviour()})
+    template = template_with_steps((device, "a", {}), (device, "b", {}))
+    long_ago = timezone.now() - timedelta(minutes=5)
+    unstarted = JobRun.objects.create(template=template, plan=template_plan(template))
+    JobRun.objects.filter(pk=unstarted.pk).update(created_at=long_ago)
+    stalled = JobRun.objects.create(
+        template=template, plan=template_plan(template), status=RunStatus.RUNNING, started_at=long_ago
+    )
+    StepRun.objects.create(
+        run=stalled,
+        index=0,
+        device=device,
+        action="a",
+        status=StepStatus.SUCCEEDED,
+        attempt=1,
+        finished_at=long_ago,
+    )
+
+    # then the monitor's database sweep finishes both
+    assert wait_for(lambda: finished(unstarted), what="unstarted run").status == RunStatus.SUCCEEDED
+    assert wait_for(lambda: finished(stalled), what="stalled run").status == RunStatus.SUCCEEDED
+    assert step_of(stalled, 1).status == StepStatus.SUCCEEDED
