@@ -13,8 +13,16 @@ class DeviceGroupAdmin(admin.ModelAdmin):
 
 @admin.register(Device)
 class DeviceAdmin(admin.ModelAdmin):
-    list_display = ["name", "enabled", "online", "last_seen", "command_topic", "reply_topic"]
-    list_filter = ["enabled", "online", "groups"]
+    list_display = [
+        "name",
+        "enabled",
+        "online",
+        "presence_required",
+        "last_seen",
+        "command_topic",
+        "reply_topic",
+    ]
+    list_filter = ["enabled", "online", "presence_required", "groups"]
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
     readonly_fields = ["online", "last_seen", "created_at", "updated_at"]

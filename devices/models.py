@@ -65,6 +65,11 @@ class Device(models.Model):
     )
     config = models.JSONField(default=dict, blank=True, help_text="Free-form settings for jobs and firmware.")
     enabled = models.BooleanField(default=True, help_text="Disabled devices receive no commands.")
+    presence_required = models.BooleanField(
+        default=True,
+        help_text="Send commands only while the device reports online. Turn off for firmware that "
+        "publishes no status or heartbeat (it is then always treated as reachable).",
+    )
     online = models.BooleanField(default=False, help_text="From the device's retained status / last will.")
     last_seen = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -75,6 +80,11 @@ class Device(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def reachable(self) -> bool:
+        """May a command be sent now: online, or presence not tracked for this device."""
+        return self.online or not self.presence_required
 
     def command_topic_for(self, action: str) -> str:
         return protocol.command_topic(self.name, action, self.command_topic)

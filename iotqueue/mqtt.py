@@ -124,7 +124,8 @@ class Publisher:
         """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
         client = self._client_get()
         if not self._connected.wait(CONNECT_TIMEOUT_SECONDS):
-            raise PublishError(f"not connected to MQTT broker at {settings.MQTT_URL}")
+            address = broker_address()
+            raise PublishError(f"not connected to MQTT broker at {address.host}:{address.port}")
         info = client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             raise PublishError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")

@@ -165,7 +165,7 @@ def step_acquire(*, step_run: StepRun) -> None:
     A step for an offline device stays queued outside the lock queue; the device's return
     online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait.
     """
-    if not step_run.device.online:
+    if not step_run.device.reachable:
         event_record("step.waiting", step_run=step_run, message=f"device {step_run.device.name} is offline")
         return
     outcome = device_lock_acquire(

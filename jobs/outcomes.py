@@ -143,7 +143,7 @@ def attempt_end(
         )
     with transaction.atomic():
         ended = StepRun.objects.filter(
-            pk=step_run.pk, command_id=command_id, status__in=STEP_IN_FLIGHT
+            pk=step_run.pk, command_id=command_id, fence=step_run.fence, status__in=STEP_IN_FLIGHT
         ).update(**changes)
         if not ended:
             event_record(
@@ -244,7 +244,7 @@ def step_queue_timeout(*, step_run: StepRun) -> None:
         step_dispatch(step_run_id=step_run.pk, fence=state.fence)
         return
     spec = step_spec(step_run)
-    why = "offline" if not step_run.device.online else "busy"
+    why = "offline" if not step_run.device.reachable else "busy"
     error = f"waited {spec['queue_timeout_seconds']}s for device {step_run.device.name} ({why})"
     if not StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt).update(
         status=StepStatus.TIMED_OUT, error=error, finished_at=timezone.now()

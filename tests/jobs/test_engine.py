@@ -259,3 +259,24 @@ def test_runs_left_behind_by_lost_tasks_are_moved_on_by_the_sweep(stack, simulat
     assert wait_for(lambda: finished(unstarted), what="unstarted run").status == RunStatus.SUCCEEDED
     assert wait_for(lambda: finished(stalled), what="stalled run").status == RunStatus.SUCCEEDED
     assert step_of(stalled, 1).status == StepStatus.SUCCEEDED
+
+
+def test_legacy_device_with_fixed_topics_and_no_presence(stack, simulator):
+    # given a face terminal with fixed firmware topics that never reports presence
+    device = DeviceFactory(online=False, presence_required=False)
+    device.command_topic = f"dev/face/{device.name}"
+    device.reply_topic = f"dev/face/{device.name}/Ack"
+    device.save()
+    sim = simulator(
+        {device.name: DeviceBehaviour(command_topic=device.command_topic, reply_topic=device.reply_topic)}
+    )
+    template = template_with_steps((device, "add_person", {"person": "{{ params.person }}"}))
+    # The bridge picks up new reply topics within its refresh period; retries cover a
+    # reply that arrives before it subscribed.
+    template.steps.update(timeout_seconds=3, max_attempts=3, backoff_seconds=0.1)
+
+    run, _ = run_start(template=template, parameters={"person": "P-17"})
+
+    assert wait_for(lambda: finished(run), what="run to end").status == RunStatus.SUCCEEDED
+    command = sim.received(device.name)[-1]
+    assert (command["topic"], command["args"]) == (device.command_topic, {"person": "P-17"})
