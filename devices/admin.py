@@ -2,6 +2,7 @@
 
 from django.contrib import admin
 
+from .locks import device_lock_state
 from .models import Device, DeviceGroup
 
 
@@ -25,4 +26,14 @@ class DeviceAdmin(admin.ModelAdmin):
     list_filter = ["enabled", "online", "presence_required", "groups"]
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
-    readonly_fields = ["online", "last_seen", "created_at", "updated_at"]
+    readonly_fields = ["online", "last_seen", "lock", "created_at", "updated_at"]
+
+    @admin.display(description="Lock holder and queue")
+    def lock(self, device: Device) -> str:
+        """Live from Redis: who executes on the device now and who waits."""
+        state = device_lock_state(device.name)
+        if state.holder is None:
+            return "free"
+        return (
+            f"{state.holder} (fence {state.fence}); {len(state.queue)} waiting: {', '.join(state.queue[:10])}"
+        )

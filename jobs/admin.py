@@ -1,7 +1,11 @@
 """Admin: templates with inline ordered steps, runs with their steps and timeline."""
 
-from django.contrib import admin
+from django.contrib import admin, messages
 
+from devices.admin import DeviceAdmin
+from devices.models import Device
+
+from .cancel import lock_force_release, run_cancel
 from .models import JobRun, JobStep, JobTemplate, RunEvent, StepRun
 
 
@@ -68,9 +72,15 @@ class JobRunAdmin(admin.ModelAdmin):
         "finished_at",
     ]
     inlines = [StepRunInline, RunEventInline]
+    actions = ["cancel_runs"]
 
     def has_add_permission(self, request) -> bool:
         return False
+
+    @admin.action(description="Cancel selected runs", permissions=["change"])
+    def cancel_runs(self, request, queryset):
+        canceled = sum(run_cancel(run=run, by=request.user.username) for run in queryset)
+        self.message_user(request, f"{canceled} run(s) canceled.", messages.SUCCESS)
 
 
 @admin.register(StepRun)
@@ -89,3 +99,22 @@ class RunEventAdmin(admin.ModelAdmin):
     list_select_related = ["run__template"]
     search_fields = ["device", "message"]
     raw_id_fields = ["run", "step_run"]
+
+
+# The force-release action ends the holder's attempt, which is engine (jobs) business; the
+# devices app must not import jobs, so jobs extends the device admin here.
+admin.site.unregister(Device)
+
+
+@admin.register(Device)
+class DeviceWithLockAdmin(DeviceAdmin):
+    actions = ["force_release_lock"]
+
+    @admin.action(description="Force-release the device lock (audited)", permissions=["change"])
+    def force_release_lock(self, request, queryset):
+        for device in queryset:
+            holder = lock_force_release(device=device, by=request.user.username)
+            if holder:
+                self.message_user(request, f"{device.name}: lock taken from {holder}.", messages.WARNING)
+            else:
+                self.message_user(request, f"{device.name}: lock was free.", messages.INFO)

@@ -2,8 +2,11 @@
 
 from django.db.models import Prefetch
 from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
+
+from .cancel import run_cancel
 
 from .models import JobRun, StepRun
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
@@ -43,3 +46,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             raise ValidationError({exc.field: [str(exc)]}) from None
         body = RunSerializer(run, context={"request": request}).data
         return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        """Cancel a pending or running run (409 when it has already ended)."""
+        run = self.get_object()
+        if not request.user.has_perm("jobs.change_jobrun"):
+            self.permission_denied(request, message="You may not cancel runs.")
+        if not run_cancel(run=run, by=request.user.username):
+            return Response({"detail": f"run is already {run.status}"}, status=status.HTTP_409_CONFLICT)
+        run.refresh_from_db()
+        return Response(RunSerializer(run, context={"request": request}).data)
