@@ -7,7 +7,6 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from .cancel import run_cancel
-
 from .models import JobRun, StepRun
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start
