@@ -3,9 +3,25 @@
 import os
 
 from celery import Celery
+from celery.signals import worker_process_init, worker_process_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
 
 app = Celery("iotqueue")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@worker_process_init.connect
+def _publisher_connect(**kwargs) -> None:
+    """Connect each pool process's MQTT publisher at start, not on its first command."""
+    from .mqtt import publisher
+
+    publisher.connect()
+
+
+@worker_process_shutdown.connect
+def _publisher_close(**kwargs) -> None:
+    from .mqtt import publisher
+
+    publisher.close()

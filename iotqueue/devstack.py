@@ -10,6 +10,8 @@ when CI is set) it stops once the demo runs have finished.
 from __future__ import annotations
 
 import argparse
+import io
+import logging
 import os
 import signal
 import socket
@@ -64,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from django.core.management import CommandError, call_command
 
         django.setup()
+        # The progress display says what happens; the timeline's log lines would drown it.
+        logging.getLogger("jobs.timeline").setLevel(logging.WARNING)
         call_command("migrate", verbosity=0)
+        call_command("monitors_install", stdout=io.StringIO())
         call_command("demo", seed_only=True, stdout=sys.stdout)
         web_port = WEB_PORT if _port_free(WEB_PORT) else free_port()
         with Supervisor(STATE_DIR / "logs", dict(os.environ)) as supervisor:

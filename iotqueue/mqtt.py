@@ -120,6 +120,10 @@ class Publisher:
                 self._client, self._pid = client, os.getpid()
             return self._client
 
+    def connect(self) -> None:
+        """Start connecting now (non-blocking), so the first publish finds a live session."""
+        self._client_get()
+
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
         client = self._client_get()
