@@ -64,6 +64,12 @@ class Device(models.Model):
         help_text="Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done.",
     )
     config = models.JSONField(default=dict, blank=True, help_text="Free-form settings for jobs and firmware.")
+    min_interval_seconds = models.FloatField(
+        default=0, help_text="Flow control: at least this long between two commands (slow firmware)."
+    )
+    max_per_minute = models.PositiveIntegerField(
+        default=0, help_text="Flow control: at most this many commands per minute; 0 = no limit."
+    )
     enabled = models.BooleanField(default=True, help_text="Disabled devices receive no commands.")
     presence_required = models.BooleanField(
         default=True,

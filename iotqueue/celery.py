@@ -5,7 +5,11 @@ import os
 from celery import Celery
 from celery.signals import worker_process_init, worker_process_shutdown
 
+from . import kombu_fix
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
+
+kombu_fix.apply()
 
 app = Celery("iotqueue")
 app.config_from_object("django.conf:settings", namespace="CELERY")

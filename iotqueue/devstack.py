@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if demo_ok else 1
             print("\nStack is running; Ctrl-C stops it.")
             while not stop.wait(1.0):
-                dead = [c.name for c in supervisor.children.values() if not c.alive()]
+                dead = [c.name for c in supervisor.children.values() if not c.alive() and not c.restart]
                 if dead:
                     print(f"{', '.join(dead)} exited; see {supervisor.log_dir}. Stopping.")
                     return 1
@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _children_start(supervisor: Supervisor, web_port: int) -> None:
-    supervisor.start("worker", worker_argv(concurrency=2))
-    supervisor.start("beat", beat_argv(STATE_DIR))
-    supervisor.start("bridge", manage_argv("bridge"))
-    supervisor.start("web", manage_argv("runserver", f"127.0.0.1:{web_port}", "--noreload"))
+    supervisor.start("worker", worker_argv(concurrency=2), restart=True)
+    supervisor.start("beat", beat_argv(STATE_DIR), restart=True)
+    supervisor.start("bridge", manage_argv("bridge"), restart=True)
+    supervisor.start("web", manage_argv("runserver", f"127.0.0.1:{web_port}", "--noreload"), restart=True)
     supervisor.start(
         "simulator",
         manage_argv(

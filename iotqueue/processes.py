@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from .servers import argv_dying_with_owner
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 MANAGE = str(BASE_DIR / "manage.py")
+# How often exited children are noticed and restarted.
+WATCH_SECONDS = 0.5
 # A child gets this long to exit after SIGTERM before it is killed; Celery's warm
 # shutdown finishes the (millisecond) step tasks it is running well within it.
 STOP_GRACE_SECONDS = 10.0
@@ -28,7 +31,10 @@ def celery_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "iotqueue", *args]
 
 
-def worker_argv(*, concurrency: int = 2, hostname: str = "worker") -> list[str]:
+def worker_argv(
+    *, concurrency: int = 2, hostname: str = "worker", include: list[str] | None = None
+) -> list[str]:
+    """A prefork worker; `include` names extra task modules to import (e.g. test-only tasks)."""
     return celery_argv(
         "worker",
         "--pool=prefork",
@@ -37,6 +43,7 @@ def worker_argv(*, concurrency: int = 2, hostname: str = "worker") -> list[str]:
         "--without-gossip",
         "--without-mingle",
         "--loglevel=INFO",
+        *([f"--include={','.join(include)}"] if include else []),
     )
 
 
@@ -57,6 +64,11 @@ class Child:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen | None = None
+    # Restart the child when it exits on its own (what systemd or compose would do).
+    restart: bool = False
+    # Set while a stop or kill is deliberate, so the watcher leaves the child down.
+    held: bool = False
+    restarts: int = 0
 
     @property
     def pid(self) -> int | None:
@@ -76,18 +88,50 @@ class Child:
 
 
 class Supervisor:
-    """Starts named children with a shared environment and stops them all on exit."""
+    """Starts named children with a shared environment and stops them all on exit.
+
+    Children started with restart=True are restarted when they exit on their own, like a
+    process manager does in production: Celery 5.7 can exit with "Unrecoverable error"
+    when Redis drops the connection while it holds unacknowledged tasks.
+    """
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
         self.env = env
         self.children: dict[str, Child] = {}
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: list[str], *, extra_env: dict[str, str] | None = None) -> Child:
-        child = self.children.get(name) or Child(
-            name, argv, {**self.env, **(extra_env or {})}, self.log_dir / f"{name}.log"
-        )
+    def start(
+        self, name: str, argv: list[str], *, extra_env: dict[str, str] | None = None, restart: bool = False
+    ) -> Child:
+        with self._lock:
+            child = self.children.get(name) or Child(
+                name, argv, {**self.env, **(extra_env or {})}, self.log_dir / f"{name}.log", restart=restart
+            )
+            self._spawn(child)
+            self.children[name] = child
+        if child.restart and self._watcher is None:
+            # The watcher must outlive what it starts: children die with the thread that forked them.
+            self._watcher = threading.Thread(target=self._watch, name="supervisor-watch", daemon=True)
+            self._watcher.start()
+        return child
+
+    def _watch(self) -> None:
+        while not self._closing.wait(WATCH_SECONDS):
+            with self._lock:
+                for child in self.children.values():
+                    if child.restart and not child.held and not child.alive() and not self._closing.is_set():
+                        child.restarts += 1
+                        note = f"\n--- supervisor: exited ({child.process.returncode}); restarting\n"
+                        with open(child.log_path, "ab") as log:
+                            log.write(note.encode())
+                        self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        child.held = False
         with open(child.log_path, "ab") as log:
             child.process = subprocess.Popen(
                 argv_dying_with_owner(child.argv),
@@ -99,8 +143,6 @@ class Supervisor:
                 # Its own process group, so kill() can take a worker's pool children too.
                 start_new_session=True,
             )
-        self.children[name] = child
-        return child
 
     def wait_for_log(self, name: str, pattern: str, *, timeout: float = 30.0, since: int = 0) -> None:
         """Block until the child's log (after byte offset `since`) matches `pattern`."""
@@ -119,8 +161,12 @@ class Supervisor:
         return len(self.children[name].log_text())
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Signal a child's whole process group (a Celery worker's pool children too)."""
+        """Signal a child's whole process group (a Celery worker's pool children too).
+
+        A killed child stays down (no automatic restart) until start() is called again.
+        """
         child = self.children[name]
+        child.held = True
         if child.alive():
             os.killpg(child.pid, sig)
             if sig == signal.SIGKILL:
@@ -128,7 +174,10 @@ class Supervisor:
 
     def stop(self, name: str) -> None:
         child = self.children.get(name)
-        if child is None or not child.alive():
+        if child is None:
+            return
+        child.held = True
+        if not child.alive():
             return
         child.process.send_signal(signal.SIGTERM)
         try:
@@ -138,6 +187,7 @@ class Supervisor:
             child.process.wait()
 
     def stop_all(self) -> None:
+        self._closing.set()
         for name in reversed(list(self.children)):
             self.stop(name)
 

@@ -4,6 +4,7 @@ Every value has a development default so `make run` works on a bare machine; pro
 sets DATABASE_URL, REDIS_URL, MQTT_URL, SECRET_KEY and DEBUG=false.
 """
 
+import os
 from pathlib import Path
 
 import environ
@@ -73,7 +74,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
     # The test database is a file, not memory: the worker and bridge processes share it.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+    # One per test session (pid), so two suites on one checkout never share it.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -122,7 +124,9 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SOFT_TIME_LIMIT = env.int("CELERY_TASK_SOFT_TIME_LIMIT", default=30)
 CELERY_TASK_TIME_LIMIT = env.int("CELERY_TASK_TIME_LIMIT", default=60)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+# Off: in Celery 5.7 it makes a worker that loses Redis cancel work it could finish
+# (celery#7185, #9250); our tasks are idempotent and short, so letting them run is safer.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 # Unacked tasks of a killed worker come back after this long; the monitor, not
 # redelivery, is what rescues a run, so it may be generous.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=300)}

@@ -18,7 +18,7 @@ from devices.models import Device
 from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
-from .engine import HOLDER_KIND, lock_pass_on, step_holder
+from .engine import HOLDER_KIND, RUN_ACTIVE, lock_pass_on, step_holder
 from .events import event_record
 from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
 from .outcomes import attempt_end
@@ -34,7 +34,7 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     canceled command is recorded as stale).
     """
     reason = f"canceled by {by or 'unknown'}"
-    if not JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING)).update(
+    if not JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, *RUN_ACTIVE)).update(
         status=RunStatus.CANCELED, error=reason, finished_at=timezone.now()
     ):
         return False
@@ -56,7 +56,7 @@ def step_cancel(*, step_run: StepRun, reason: str) -> None:
     if previous in STEP_IN_FLIGHT:
         _cancel_command_send(step_run)
         lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
-    else:
+    elif step_run.device_id:
         device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
     event_record("step.canceled", step_run=step_run, message=reason)
 

@@ -3,7 +3,9 @@
 A member is "<kind>:<step_run_id>:<attempt>" scored by its due time (ms since the epoch).
 Kinds: `queue` (waited too long for the device), `ack` and `done` (the device did not
 answer in time), `retry` (back-off over: queue again), `send` (the command was committed
-but its publish never confirmed: send it again).
+but its publish never confirmed: send it again), `dispatch` (flow control: the device may
+take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
+rate allows starting more devices; the member names the fan-out's first row).
 
 How it fails: the set lives in Redis, so a Redis restart loses it. The step rows carry
 the same deadline (`StepRun.deadline`), and the monitor's reconcile pass re-finds overdue
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from iotqueue.redis_conn import redis_connection, redis_key
 
-KINDS = ("queue", "ack", "done", "retry", "send")
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from devices import protocol
+from devices.flow import device_flow_record, device_flow_wait
 from devices.locks import (
     Grant,
     NotReady,
@@ -40,7 +41,10 @@ from iotqueue.redis_conn import redis_connection
 from . import templating
 from .deadlines import Deadline, deadlines_clear, deadlines_set
 from .events import event_record
-from .models import STEP_IN_FLIGHT, JobRun, RunStatus, StepRun, StepStatus
+from .models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+
+# Run states in which steps may be dispatched (compensations run while compensating).
+RUN_ACTIVE = (RunStatus.RUNNING, RunStatus.COMPENSATING)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,18 @@ def step_holder(step_run: StepRun) -> str:
 
 
 def step_spec(step_run: StepRun) -> dict[str, Any]:
-    return step_run.run.plan[step_run.index]
+    """The plan entry a step row executes; a compensation runs the step's compensation."""
+    spec = step_run.run.plan[step_run.index]
+    if step_run.phase == Phase.COMPENSATION:
+        return {
+            **spec,
+            "kind": StepKind.COMMAND,
+            "action": spec["compensation_action"],
+            "args": spec["compensation_args"],
+            "group": "",
+            "labels": {},
+        }
+    return spec
 
 
 def lease_seconds(spec: dict[str, Any]) -> float:
@@ -95,7 +110,7 @@ def run_advance(*, run_id: str) -> None:
 
 def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
     """Move a run to a terminal status (once); False when it already was terminal."""
-    finished = JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, RunStatus.RUNNING)).update(
+    finished = JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, *RUN_ACTIVE)).update(
         status=status, error=error, finished_at=timezone.now()
     )
     if finished:
@@ -104,9 +119,12 @@ def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
     return bool(finished)
 
 
-def _step_context(run: JobRun) -> dict[str, Any]:
+def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
+    """What {{ references }} in a step's args can read: params, earlier results, run, device."""
     results = dict(
-        StepRun.objects.filter(run=run, status=StepStatus.SUCCEEDED).values_list("index", "result")
+        StepRun.objects.filter(run=run, phase=Phase.FORWARD, status=StepStatus.SUCCEEDED).values_list(
+            "index", "result"
+        )
     )
     steps: dict[str, Any] = {}
     for index, spec in enumerate(run.plan):
@@ -114,37 +132,79 @@ def _step_context(run: JobRun) -> dict[str, Any]:
         steps[str(index)] = entry
         if spec.get("name"):
             steps[spec["name"]] = entry
-    return {"params": run.parameters, "steps": steps, "run": {"id": str(run.pk)}}
+    context = {"params": run.parameters, "steps": steps, "run": {"id": str(run.pk)}}
+    if device is not None:
+        context["device"] = {"name": device.name, "labels": device.labels}
+    return context
+
+
+def step_target(run: JobRun, spec: dict[str, Any]) -> tuple[Device | None, str]:
+    """The one device a step addresses, or (None, why not)."""
+    name = spec["device"]
+    if spec.get("device_param"):
+        name = run.parameters.get(spec["device_param"])
+        if not isinstance(name, str) or not name:
+            return None, f"run parameter {spec['device_param']!r} must name a device"
+    device = Device.objects.filter(name=name).first()
+    if device is None or not device.enabled:
+        return None, f"device {name} {'is disabled' if device else 'does not exist'}"
+    return device, ""
 
 
 # --- steps ----------------------------------------------------------------------------
 
 
 def step_start(*, run: JobRun, index: int) -> None:
-    """Create the step's row (once) and ask for its device's lock."""
+    """Start the run's step at `index`: a command (one device or a fan-out), a delay, or a
+    wait for a device to come online. Idempotent: rows are created once."""
+    from . import fanout, waits
+
     if index >= len(run.plan):
         run_finish(run=run, status=RunStatus.SUCCEEDED)
         return
     spec = run.plan[index]
-    device = Device.objects.filter(name=spec["device"]).first()
-    if device is None or not device.enabled:
-        reason = f"device {spec['device']} {'is disabled' if device else 'does not exist'}"
-        event_record("step.failed", run=run, device=spec["device"], message=reason, index=index)
-        run_finish(run=run, status=RunStatus.FAILED, error=f"step {index}: {reason}")
+    if spec.get("kind") == StepKind.DELAY:
+        waits.delay_start(run=run, index=index)
+        return
+    if spec.get("group") or spec.get("labels"):
+        fanout.fanout_start(run=run, index=index)
+        return
+    device, problem = step_target(run, spec)
+    if device is None:
+        _step_refuse(run, index, spec["device"] or spec.get("device_param", ""), problem)
         return
     try:
-        args = templating.render(spec["args"], _step_context(run))
+        args = templating.render(spec["args"], step_context(run, device))
     except templating.TemplateError as exc:
-        event_record("step.failed", run=run, device=device.name, message=str(exc), index=index)
-        run_finish(run=run, status=RunStatus.FAILED, error=f"step {index}: {exc}")
+        _step_refuse(run, index, device.name, str(exc))
         return
+    step_run = step_row_create(run=run, index=index, device=device, action=spec["action"], args=args)
+    if spec.get("kind") == StepKind.WAIT_ONLINE:
+        waits.wait_online_check(step_run=step_run)
+    elif step_run.status == StepStatus.QUEUED:
+        step_acquire(step_run=step_run)
+
+
+def _step_refuse(run: JobRun, index: int, device: str, reason: str) -> None:
+    from .outcomes import run_step_done
+
+    event_record("step.failed", run=run, device=device, message=reason, index=index)
+    run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {reason}")
+
+
+def step_row_create(
+    *, run: JobRun, index: int, device: Device, action: str, args: dict, phase: str = Phase.FORWARD
+) -> StepRun:
+    """The queued row of a step (once), with its queue deadline."""
+    spec = run.plan[index]
     now = timezone.now()
     step_run, created = StepRun.objects.get_or_create(
         run=run,
+        phase=phase,
         index=index,
         device=device,
         defaults={
-            "action": spec["action"],
+            "action": action,
             "args": args,
             "status": StepStatus.QUEUED,
             "queued_at": now,
@@ -154,9 +214,8 @@ def step_start(*, run: JobRun, index: int) -> None:
     step_run.run = run
     if created:
         deadlines_set({Deadline("queue", step_run.pk, 0): step_run.deadline})
-        event_record("step.queued", step_run=step_run, message=f"{device.name} {spec['action']}")
-    if step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)
+        event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
+    return step_run
 
 
 def step_acquire(*, step_run: StepRun) -> None:
@@ -188,13 +247,25 @@ def step_acquire(*, step_run: StepRun) -> None:
 def step_dispatch(*, step_run_id: int, fence: int) -> None:
     """Commit the attempt (command id, fence, deadlines), then publish the command."""
     step_run = StepRun.objects.select_related("run", "device").get(pk=step_run_id)
-    if step_run.status != StepStatus.QUEUED or step_run.run.status != RunStatus.RUNNING:
+    if step_run.status != StepStatus.QUEUED or step_run.run.status not in RUN_ACTIVE:
         if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
             return  # redelivered task: already dispatched under this grant
         lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=fence)
         return
     spec = step_spec(step_run)
     now = timezone.now()
+    spacing = device_flow_wait(step_run.device)
+    if spacing > 0:
+        # Flow control: keep the lock, publish when the device may take the next command.
+        deadlines_set({Deadline("dispatch", step_run.pk, step_run.attempt): now + timedelta(seconds=spacing)})
+        device_lock_extend(
+            step_run.device.name,
+            holder=step_holder(step_run),
+            fence=fence,
+            lease_seconds=lease_seconds(spec) + spacing,
+        )
+        event_record("step.spaced", step_run=step_run, message=f"flow control: sending in {spacing:.1f}s")
+        return
     attempt = step_run.attempt + 1
     changes = {
         "status": StepStatus.DISPATCHED,
@@ -235,6 +306,7 @@ def step_dispatch(*, step_run_id: int, fence: int) -> None:
     device_lock_extend(
         step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
     )
+    device_flow_record(step_run.device)
     if command_send(step_run=step_run):
         deadlines_clear([Deadline("send", step_run.pk, attempt)])
 

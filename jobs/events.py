@@ -22,7 +22,7 @@ def event_record(
     """Append an event and log it with the run, step, device and command id it concerns."""
     if step_run is not None:
         run_id = step_run.run_id
-        device = device or step_run.device.name
+        device = device or step_run.device_name
         data.setdefault("index", step_run.index)
         data.setdefault("attempt", step_run.attempt)
         if step_run.command_id:

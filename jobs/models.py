@@ -2,11 +2,11 @@
 
 import uuid
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from devices.models import Device
-from devices.protocol import ACTION_RE
+from devices.models import Device, DeviceGroup
 
 
 class OnFailure(models.TextChoices):
@@ -35,15 +35,42 @@ class JobTemplate(models.Model):
         return self.name
 
 
+class StepKind(models.TextChoices):
+    COMMAND = "command", "Send a command"
+    DELAY = "delay", "Wait a number of seconds"
+    WAIT_ONLINE = "wait_online", "Wait until the device is online"
+
+
 class JobStep(models.Model):
-    """One command to one device, with its timeout and retry budget."""
+    """One command to one device (or to every device of a group/selector), with its
+    timeout, retry budget and failure policy; or a delay / wait-for-online step."""
 
     template = models.ForeignKey(JobTemplate, on_delete=models.CASCADE, related_name="steps")
     position = models.PositiveSmallIntegerField(help_text="Steps run in ascending position.")
-    name = models.CharField(max_length=128, blank=True)
-    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="steps")
-    action = models.CharField(max_length=128, help_text="e.g. unlock, on, snapshot, firmware/check")
+    name = models.CharField(
+        max_length=128, blank=True, help_text="Lets later steps say {{ steps.NAME.result }}."
+    )
+    kind = models.CharField(max_length=16, choices=StepKind.choices, default=StepKind.COMMAND)
+    # Target: exactly one of device, device_param, group, labels (delay steps have none).
+    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="steps", null=True, blank=True)
+    device_param = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Run parameter holding the device name (for-each runs use 'device').",
+    )
+    group = models.ForeignKey(
+        DeviceGroup, on_delete=models.PROTECT, null=True, blank=True, related_name="steps"
+    )
+    labels = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Fan out to every enabled device with these labels, e.g. {"kind": "pump"}.',
+    )
+    action = models.CharField(
+        max_length=128, blank=True, help_text="e.g. unlock, on, snapshot, firmware/check"
+    )
     args = models.JSONField(default=dict, blank=True, help_text='JSON object, may use "{{ params.name }}".')
+    delay_seconds = models.FloatField(default=0, help_text="Delay steps: how long to wait.")
     timeout_seconds = models.PositiveIntegerField(default=60, help_text="From dispatch to the device's done.")
     ack_timeout_seconds = models.PositiveIntegerField(
         default=0, help_text="From dispatch to the device's ack; 0 = no separate ack deadline."
@@ -56,6 +83,25 @@ class JobStep(models.Model):
     on_failure = models.CharField(max_length=16, choices=OnFailure.choices, default=OnFailure.ABORT)
     compensation_action = models.CharField(max_length=128, blank=True)
     compensation_args = models.JSONField(default=dict, blank=True)
+    # Fan-out (group / labels targets).
+    rollout_per_minute = models.PositiveIntegerField(
+        default=0, help_text="Devices started per minute; 0 = no limit."
+    )
+    max_in_flight = models.PositiveIntegerField(default=0, help_text="Devices working at once; 0 = no limit.")
+    abort_failure_percent = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        validators=[MaxValueValidator(100)],
+        help_text="Stop starting devices and fail the step when more than this % of finished devices failed.",
+    )
+    abort_min_devices = models.PositiveIntegerField(
+        default=0, help_text="... but only once at least this many devices have finished."
+    )
+    success_percent = models.PositiveSmallIntegerField(
+        default=100,
+        validators=[MaxValueValidator(100)],
+        help_text="The step succeeds when this % of devices did.",
+    )
 
     class Meta:
         ordering = ["template", "position"]
@@ -64,16 +110,24 @@ class JobStep(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.template.name} #{self.position}: {self.device.name} {self.action}"
+        return f"{self.template.name} #{self.position}: {self.target_label} {self.action or self.kind}"
+
+    @property
+    def target_label(self) -> str:
+        if self.device_id:
+            return self.device.name
+        if self.device_param:
+            return f"{{{{ params.{self.device_param} }}}}"
+        if self.group_id:
+            return f"group {self.group.name}"
+        if self.labels:
+            return "labels " + ",".join(f"{k}={v}" for k, v in self.labels.items())
+        return "-"
 
     def clean(self) -> None:
-        from django.core.exceptions import ValidationError
+        from .validation import step_errors
 
-        errors = {}
-        if not ACTION_RE.match(self.action or ""):
-            errors["action"] = "Use letters, digits and . _ / - only."
-        if not isinstance(self.args, dict):
-            errors["args"] = "Args must be a JSON object."
+        errors = step_errors(self)
         if errors:
             raise ValidationError(errors)
 
@@ -165,12 +219,24 @@ STEP_TERMINAL = (
 STEP_IN_FLIGHT = (StepStatus.DISPATCHED, StepStatus.IN_PROGRESS)
 
 
+class Phase(models.TextChoices):
+    FORWARD = "forward"
+    COMPENSATION = "compensation"
+
+
 class StepRun(models.Model):
-    """One step of one run on one device; the committed row is the command's outbox entry."""
+    """One step of one run on one device; the committed row is the command's outbox entry.
+
+    A fan-out step has one row per device; a compensation (rollback) has its own row in
+    the compensation phase, with the index of the step it undoes.
+    """
 
     run = models.ForeignKey(JobRun, on_delete=models.CASCADE, related_name="step_runs")
     index = models.PositiveSmallIntegerField(help_text="Position of the step in the run, from 0.")
-    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="step_runs")
+    phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.FORWARD)
+    device = models.ForeignKey(
+        Device, on_delete=models.PROTECT, related_name="step_runs", null=True, blank=True
+    )
     action = models.CharField(max_length=128)
     args = models.JSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=StepStatus.choices, default=StepStatus.PENDING)
@@ -201,9 +267,12 @@ class StepRun(models.Model):
         ]
 
     def __str__(self) -> str:
-        return (
-            f"{str(self.run_id)[:8]} step {self.index} on {self.device.name}: {self.action} ({self.status})"
-        )
+        where = self.device.name if self.device_id else "-"
+        return f"{str(self.run_id)[:8]} step {self.index} on {where}: {self.action} ({self.status})"
+
+    @property
+    def device_name(self) -> str:
+        return self.device.name if self.device_id else ""
 
     @property
     def is_terminal(self) -> bool:

@@ -30,7 +30,7 @@ from .engine import (
     step_start,
 )
 from .events import event_record
-from .models import STEP_IN_FLIGHT, JobRun, OnFailure, RunStatus, StepRun, StepStatus
+from .models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
 
 # Longest back-off between attempts, whatever the step's base and attempt count say.
 BACKOFF_MAX_SECONDS = 3600.0
@@ -165,24 +165,42 @@ def attempt_end(
 
 
 def run_continue(*, step_run: StepRun) -> None:
-    """After a step ended for good: next step, or end the run per the step's policy."""
-    run = step_run.run
+    """After a step row ended for good: move its run on (once)."""
+    from . import fanout, rollback
+
     if step_run.status == StepStatus.CANCELED:
         return
-    if step_run.status == StepStatus.SUCCEEDED or step_spec(step_run).get("on_failure") == OnFailure.CONTINUE:
-        moved = JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=step_run.index).update(
-            cursor=step_run.index + 1
-        )
-        if moved:
-            run.cursor = step_run.index + 1
-            step_start(run=run, index=run.cursor)
+    if step_run.phase == Phase.COMPENSATION:
+        rollback.compensation_next(run=step_run.run)
         return
-    run_finish(
-        run=run,
-        status=RUN_STATUS_FOR_STEP.get(step_run.status, RunStatus.FAILED),
-        error=f"step {step_run.index} ({step_run.device.name} {step_run.action}) {step_run.status}: "
+    spec = step_spec(step_run)
+    if spec.get("group") or spec.get("labels"):
+        fanout.fanout_progress(run=step_run.run, index=step_run.index)
+        return
+    run_step_done(
+        run=step_run.run,
+        index=step_run.index,
+        ok=step_run.status == StepStatus.SUCCEEDED,
+        status=step_run.status,
+        error=f"step {step_run.index} ({step_run.device_name} {step_run.action}) {step_run.status}: "
         f"{step_run.error}",
     )
+
+
+def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str = "") -> None:
+    """A step's outcome decides the run: next step, roll back, or end (once)."""
+    from .rollback import rollback_start
+
+    policy = run.plan[index].get("on_failure", OnFailure.ABORT)
+    if ok or policy == OnFailure.CONTINUE:
+        if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(cursor=index + 1):
+            run.cursor = index + 1
+            step_start(run=run, index=run.cursor)
+        return
+    if policy == OnFailure.ROLLBACK:
+        rollback_start(run=run, reason=error)
+        return
+    run_finish(run=run, status=RUN_STATUS_FOR_STEP.get(status, RunStatus.FAILED), error=error)
 
 
 # --- deadlines ------------------------------------------------------------------------
@@ -212,6 +230,29 @@ def step_deadline(*, deadline: Deadline) -> None:
         step_requeue(step_run=step_run)
     elif deadline.kind == "queue" and step_run.status == StepStatus.QUEUED:
         step_queue_timeout(step_run=step_run)
+    elif deadline.kind == "dispatch" and step_run.status == StepStatus.QUEUED:
+        _dispatch_if_holding(step_run)
+    elif deadline.kind == "wake":
+        from .waits import delay_end
+
+        delay_end(step_run=step_run)
+    elif deadline.kind == "pump":
+        from .fanout import fanout_pump
+
+        fanout_pump(run=step_run.run, index=step_run.index)
+
+
+def _dispatch_if_holding(step_run: StepRun) -> bool:
+    """Dispatch a queued step that holds its device's lock (spaced, or its hand-off lost)."""
+    from devices.locks import device_lock_state
+
+    from .engine import step_dispatch
+
+    state = device_lock_state(step_run.device.name)
+    if state.holder == step_holder(step_run) and state.fence is not None:
+        step_dispatch(step_run_id=step_run.pk, fence=state.fence)
+        return True
+    return False
 
 
 def step_requeue(*, step_run: StepRun) -> None:
@@ -235,17 +276,15 @@ def step_queue_timeout(*, step_run: StepRun) -> None:
     Unless the step holds the device's lock already (its hand-off was lost with a killed
     worker): then it is dispatched now instead.
     """
-    from devices.locks import device_lock_dequeue, device_lock_state
+    from devices.locks import device_lock_dequeue
 
-    from .engine import step_dispatch
-
-    state = device_lock_state(step_run.device.name)
-    if state.holder == step_holder(step_run) and state.fence is not None:
-        step_dispatch(step_run_id=step_run.pk, fence=state.fence)
+    if step_run.device_id and _dispatch_if_holding(step_run):
         return
     spec = step_spec(step_run)
     why = "offline" if not step_run.device.reachable else "busy"
     error = f"waited {spec['queue_timeout_seconds']}s for device {step_run.device.name} ({why})"
+    if spec.get("kind") == StepKind.WAIT_ONLINE:
+        error = f"device {step_run.device.name} did not come online within {spec['queue_timeout_seconds']}s"
     if not StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt).update(
         status=StepStatus.TIMED_OUT, error=error, finished_at=timezone.now()
     ):

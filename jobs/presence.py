@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from .engine import step_acquire
-from .models import STEP_IN_FLIGHT, StepRun, StepStatus
+from .engine import step_acquire, step_spec
+from .models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 from .outcomes import attempt_end
+from .waits import wait_online_check
 
 
 def device_online(*, name: str) -> int:
@@ -16,7 +17,10 @@ def device_online(*, name: str) -> int:
     )
     count = 0
     for step_run in waiting:
-        step_acquire(step_run=step_run)
+        if step_spec(step_run).get("kind") == StepKind.WAIT_ONLINE:
+            wait_online_check(step_run=step_run)
+        else:
+            step_acquire(step_run=step_run)
         count += 1
     return count
 

@@ -18,26 +18,40 @@ class RunStartError(ValueError):
         self.field = field
 
 
+PLAN_FIELDS = (
+    "position",
+    "name",
+    "kind",
+    "device_param",
+    "labels",
+    "action",
+    "args",
+    "delay_seconds",
+    "timeout_seconds",
+    "ack_timeout_seconds",
+    "queue_timeout_seconds",
+    "max_attempts",
+    "backoff_seconds",
+    "on_failure",
+    "compensation_action",
+    "compensation_args",
+    "rollout_per_minute",
+    "max_in_flight",
+    "abort_failure_percent",
+    "abort_min_devices",
+    "success_percent",
+)
+
+
 def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
     """Snapshot of the template's steps, so editing a template never changes a started run."""
-    return [
-        {
-            "position": step.position,
-            "name": step.name,
-            "device": step.device.name,
-            "action": step.action,
-            "args": step.args,
-            "timeout_seconds": step.timeout_seconds,
-            "ack_timeout_seconds": step.ack_timeout_seconds,
-            "queue_timeout_seconds": step.queue_timeout_seconds,
-            "max_attempts": step.max_attempts,
-            "backoff_seconds": step.backoff_seconds,
-            "on_failure": step.on_failure,
-            "compensation_action": step.compensation_action,
-            "compensation_args": step.compensation_args,
-        }
-        for step in template.steps.select_related("device").order_by("position")
-    ]
+    plan = []
+    for step in template.steps.select_related("device", "group").order_by("position"):
+        spec = {name: getattr(step, name) for name in PLAN_FIELDS}
+        spec["device"] = step.device.name if step.device_id else ""
+        spec["group"] = step.group.name if step.group_id else ""
+        plan.append(spec)
+    return plan
 
 
 def run_start(

@@ -137,10 +137,11 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
     logs = tmp_path_factory.mktemp("logs")
     supervisor = Supervisor(logs, env)
     try:
-        supervisor.start("worker", worker_argv(concurrency=2))
+        # Test-only tasks (tests/devices/lock_tasks.py) never ship in the app's own modules.
+        supervisor.start("worker", worker_argv(concurrency=2, include=["tests.devices.lock_tasks"]))
         supervisor.start("bridge", manage_argv("bridge"))
         # A file-based schedule: the database one would be flushed between tests.
-        supervisor.start("beat", beat_argv(logs, scheduler="celery.beat:PersistentScheduler"))
+        supervisor.start("beat", beat_argv(logs, scheduler="celery.beat:PersistentScheduler"), restart=True)
         for name, pattern in READY.items():
             supervisor.wait_for_log(name, pattern)
         # The first monitor tick finds an empty Redis and opens the lock epoch.

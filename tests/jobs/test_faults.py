@@ -42,8 +42,9 @@ def _terminal():
     return RUN_TERMINAL
 
 
-def assert_runs_ended_without_overlap(sim, runs):
-    wait_for(lambda: all_ended(runs), timeout=RUN_END_SECONDS, what="every run to end")
+def assert_runs_ended_without_overlap(sim, runs, stack):
+    logs = stack.supervisor.log_dir
+    wait_for(lambda: all_ended(runs), timeout=RUN_END_SECONDS, what=f"every run to end (logs in {logs})")
     statuses = set(JobRun.objects.filter(pk__in=[r.pk for r in runs]).values_list("status", flat=True))
     assert statuses == {RunStatus.SUCCEEDED}, statuses
     totals = sim.stats()["totals"]
@@ -60,7 +61,7 @@ def test_worker_sigkilled_mid_run(stack, workload):
     runs = start(12)
     wait_busy(sim, 4)
     stack.restart("worker", kill=True)
-    assert_runs_ended_without_overlap(sim, runs)
+    assert_runs_ended_without_overlap(sim, runs, stack)
 
 
 def test_bridge_killed_and_restarted(stack, workload):
@@ -70,7 +71,7 @@ def test_bridge_killed_and_restarted(stack, workload):
     stack.supervisor.kill("bridge")
     time.sleep(1.0)  # replies published now are lost; timeouts and retries must recover them
     stack.restart("bridge")
-    assert_runs_ended_without_overlap(sim, runs)
+    assert_runs_ended_without_overlap(sim, runs, stack)
 
 
 def test_redis_restarted_loses_locks_and_queue(stack, workload):
@@ -80,7 +81,7 @@ def test_redis_restarted_loses_locks_and_queue(stack, workload):
     runs = start(12)
     wait_busy(sim, 4)
     stack.services.redis.restart()
-    assert_runs_ended_without_overlap(sim, runs)
+    assert_runs_ended_without_overlap(sim, runs, stack)
 
 
 def test_mqtt_broker_restarted(stack, workload):
@@ -90,4 +91,4 @@ def test_mqtt_broker_restarted(stack, workload):
     runs = start(12)
     wait_busy(sim, 4)
     stack.services.broker.restart()
-    assert_runs_ended_without_overlap(sim, runs)
+    assert_runs_ended_without_overlap(sim, runs, stack)

@@ -1,0 +1,117 @@
+"""The project's device simulator, plus the one timestamp it does not keep: when `done` left.
+
+Received commands already carry `at` (time.time() when the device got them, in the
+device's network thread). TimedDevice also notes time.time() just before it publishes each
+`done`, so hand-off latency is the difference of two readings of one clock in one process.
+It reaches into SimulatedDevice's private `_reply`, `_received` and `_client`; a `done_at`
+on the received record and TCP_NODELAY in iotqueue.mqtt.client_create would make this
+module unnecessary.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from devices.simulator import DeviceBehaviour, SimulatedDevice, Simulator
+
+# Devices answer at once: the benchmark measures the system's overhead, not device time.
+# Progress messages are off (each one is a task); the protocol's ack cannot be turned off.
+INSTANT = DeviceBehaviour(latency_min_ms=0.0, latency_max_ms=0.0, progress=False)
+
+
+class TimedDevice(SimulatedDevice):
+    """A simulated device that records when it published each command's `done`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.done_at: dict[str, float] = {}
+        # Unbounded: a benchmark is finite, and a truncated history would drop samples.
+        self._received = deque()
+
+    def _reply(self, kind: str, payload: bytes) -> None:
+        if kind == "done":
+            self.done_at.setdefault(json.loads(payload)["id"], time.time())
+        super()._reply(kind, payload)
+
+
+class TimedSimulator(Simulator):
+    """A Simulator whose devices are TimedDevices with Nagle's algorithm off.
+
+    paho does not set TCP_NODELAY. A device that answers at once writes ack and done
+    back to back; Nagle then holds done until the broker's delayed ACK, ~40 ms on Linux,
+    which is an artefact of zero device time, not the system's overhead. (Real devices
+    send done long after ack.) The server side's paho clients are measured as they are.
+    """
+
+    def __init__(self, devices: dict[str, DeviceBehaviour], *, url: str, seed: int) -> None:
+        super().__init__(devices, url=url, seed=seed)
+        rng = random.Random(seed)
+        self.devices = {
+            name: TimedDevice(name, behaviour, timers=self._timers, rng=rng, url=url)
+            for name, behaviour in devices.items()
+        }
+
+    def start(self, wait_connected: float = 10.0) -> None:
+        super().start(wait_connected)
+        for device in self.devices.values():
+            sock = device._client.socket() if device._client is not None else None
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One command as a device saw it: when it arrived and when the device published done."""
+
+    device: str
+    run: str
+    step: int
+    command_id: str
+    received_at: float
+    done_at: float | None
+
+
+def deliveries(simulator: TimedSimulator) -> list[Delivery]:
+    """Every first delivery of every command, all devices, in arrival order per device."""
+    found = []
+    for name, device in simulator.devices.items():
+        done_at = dict(device.done_at)
+        for record in device.received():
+            if record["duplicate"] or not isinstance(record["run"], str):
+                continue
+            found.append(
+                Delivery(
+                    name, record["run"], record["step"], record["id"], record["at"], done_at.get(record["id"])
+                )
+            )
+    return found
+
+
+def handoffs(found: list[Delivery], runs: set[str]) -> tuple[list[float], list[float]]:
+    """Hand-off samples in seconds for the given runs, two ways.
+
+    For steps n >= 1 of a run: run = step n's command arriving minus step n-1's done leaving,
+    waits for a busy device included; ready = step n's command arriving minus the moment it
+    could first have gone, the later of step n-1's done and the done of the command its device
+    ran just before it, which leaves the wait for the device out.
+    """
+    by_step = {(d.run, d.step): d for d in found}  # a retried step keeps its last attempt
+    previous_on_device: dict[str, float | None] = {}
+    run_samples, ready_samples = [], []
+    for d in sorted(found, key=lambda d: d.received_at):
+        device_free = previous_on_device.get(d.device)
+        previous_on_device[d.device] = d.done_at
+        if d.run not in runs:
+            continue
+        before = by_step.get((d.run, d.step - 1))
+        if before is None or before.done_at is None:
+            continue  # a run's first step: its ready moment is not a device-side event
+        run_samples.append(d.received_at - before.done_at)
+        ready_samples.append(d.received_at - max(before.done_at, device_free or 0.0))
+    return run_samples, ready_samples

@@ -1,0 +1,54 @@
+"""Per-device flow control: space commands for firmware that misbehaves when flooded.
+
+A device may declare `min_interval_seconds` between commands and/or `max_per_minute`. The
+engine asks `device_flow_wait` before publishing while it holds the device's lock; a
+positive answer means "publish later" (the step keeps the lock and waits in the deadline
+set, no worker sleeps). Send times live in a short Redis list per device, kept only for
+devices that have limits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from iotqueue.redis_conn import redis_connection, redis_key
+
+from .models import Device
+
+# A send time older than this cannot matter to a per-minute limit or an interval.
+WINDOW_SECONDS = 60.0
+
+
+def _key(device: Device) -> str:
+    return redis_key("sent", "{" + device.name + "}")
+
+
+def _limited(device: Device) -> bool:
+    return bool(device.min_interval_seconds or device.max_per_minute)
+
+
+def device_flow_wait(device: Device, *, now: float | None = None) -> float:
+    """Seconds to wait before the device may get its next command (0 = now)."""
+    if not _limited(device):
+        return 0.0
+    now = time.time() if now is None else now
+    keep = max(1, device.max_per_minute)
+    sent = [float(t) for t in redis_connection().lrange(_key(device), 0, keep - 1)]
+    wait = 0.0
+    if sent and device.min_interval_seconds:
+        wait = max(wait, sent[0] + device.min_interval_seconds - now)
+    if device.max_per_minute and len(sent) >= device.max_per_minute:
+        wait = max(wait, sent[device.max_per_minute - 1] + WINDOW_SECONDS - now)
+    return max(0.0, wait)
+
+
+def device_flow_record(device: Device, *, now: float | None = None) -> None:
+    """Remember that a command went to the device now (newest first)."""
+    if not _limited(device):
+        return
+    key = _key(device)
+    with redis_connection().pipeline(transaction=False) as pipe:
+        pipe.lpush(key, time.time() if now is None else now)
+        pipe.ltrim(key, 0, max(1, device.max_per_minute) - 1)
+        pipe.expire(key, int(WINDOW_SECONDS * 2))
+        pipe.execute()

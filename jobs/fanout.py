@@ -1,0 +1,161 @@
+"""Fleet fan-out: one step sent to every device of a group or label selector.
+
+The step expands into one row per device (status `pending`). The pump starts rows while
+the rollout rate (devices per minute) and max-in-flight allow; each started row is an
+ordinary step (queued on its device's lock, so busy devices simply queue). When a row
+ends, progress is evaluated: past the abort threshold the pending rows are skipped and the
+step fails with the failure breakdown; when all rows ended, the success criterion decides.
+Pumps of one fan-out are serialized by a row lock on the run (SQLite: by its write lock).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+
+from django.db import transaction
+from django.utils import timezone
+
+from devices.models import Device
+
+from . import templating
+from .deadlines import Deadline, deadlines_set
+from .engine import step_acquire, step_context
+from .events import event_record
+from .models import STEP_TERMINAL, JobRun, Phase, StepRun, StepStatus
+
+# The window of the rollout rate.
+RATE_WINDOW = timedelta(minutes=1)
+ACTIVE = (StepStatus.QUEUED, StepStatus.DISPATCHED, StepStatus.IN_PROGRESS, StepStatus.RETRYING)
+
+
+def fanout_devices(spec: dict) -> list[Device]:
+    """Enabled devices of the step's group, or whose labels contain the step's selector."""
+    devices = Device.objects.filter(enabled=True).order_by("name")
+    if spec.get("group"):
+        devices = devices.filter(groups__name=spec["group"])
+    selector = spec.get("labels") or {}
+    # Filtered here rather than with a JSON lookup: SQLite has no JSON containment.
+    return [d for d in devices if all(d.labels.get(k) == v for k, v in selector.items())]
+
+
+def _rows(run: JobRun, index: int):
+    return StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=index)
+
+
+def fanout_start(*, run: JobRun, index: int) -> None:
+    from .outcomes import run_step_done
+
+    spec = run.plan[index]
+    if _rows(run, index).exists():  # started before (a redelivered task): just pump
+        fanout_pump(run=run, index=index)
+        return
+    devices = fanout_devices(spec)
+    if not devices:
+        target = f"group {spec['group']}" if spec.get("group") else f"labels {spec['labels']}"
+        event_record("step.failed", run=run, message=f"no enabled device matches {target}", index=index)
+        run_step_done(
+            run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: no devices"
+        )
+        return
+    rows = []
+    for device in devices:
+        try:
+            args = templating.render(spec["args"], step_context(run, device))
+        except templating.TemplateError as exc:
+            run_step_done(
+                run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {exc}"
+            )
+            return
+        rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))
+    StepRun.objects.bulk_create(rows, ignore_conflicts=True)
+    event_record("step.fanout", run=run, message=f"{spec['action']} to {len(devices)} devices", index=index)
+    fanout_pump(run=run, index=index)
+
+
+def fanout_pump(*, run: JobRun, index: int) -> int:
+    """Start as many pending rows as the rollout rate and max-in-flight allow."""
+    spec = run.plan[index]
+    now = timezone.now()
+    with transaction.atomic():
+        JobRun.objects.select_for_update().filter(pk=run.pk).first()
+        rows = _rows(run, index)
+        room = len(rows)
+        if spec.get("max_in_flight"):
+            room = min(room, spec["max_in_flight"] - rows.filter(status__in=ACTIVE).count())
+        rate = spec.get("rollout_per_minute") or 0
+        window = rows.filter(queued_at__gt=now - RATE_WINDOW)
+        if rate:
+            room = min(room, rate - window.count())
+        pending = list(rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True))
+        start = pending[: max(0, room)]
+        deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
+        rows.filter(pk__in=start, status=StepStatus.PENDING).update(
+            status=StepStatus.QUEUED, queued_at=now, deadline=deadline
+        )
+        if rate and len(pending) > len(start) and window.exists():
+            oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
+            anchor = pending[len(start)]
+            deadlines_set({Deadline("pump", anchor, 0): oldest + RATE_WINDOW})
+    if start:
+        deadlines_set({Deadline("queue", pk, 0): deadline for pk in start})
+    for step_run in StepRun.objects.select_related("run", "device").filter(pk__in=start):
+        step_acquire(step_run=step_run)
+    return len(start)
+
+
+def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
+    """(rows by status, failure reasons by count) of one fan-out step."""
+    rows = _rows(run, index)
+    by_status = Counter(rows.values_list("status", flat=True))
+    reasons = Counter(
+        rows.filter(status__in=(StepStatus.FAILED, StepStatus.TIMED_OUT)).values_list("error", flat=True)
+    )
+    return by_status, reasons
+
+
+def fanout_progress(*, run: JobRun, index: int) -> None:
+    """A device's row ended for good: abort, pump more, or decide the step."""
+    from .outcomes import run_step_done
+
+    spec = run.plan[index]
+    by_status, reasons = fanout_summary(run, index)
+    total = sum(by_status.values())
+    succeeded = by_status[StepStatus.SUCCEEDED]
+    ended = sum(by_status[s] for s in STEP_TERMINAL if s != StepStatus.SKIPPED)
+    failed = ended - succeeded
+    breakdown = ", ".join(f"{n}x {reason}" for reason, n in reasons.most_common(5))
+    threshold = spec.get("abort_failure_percent")
+    if (
+        threshold is not None
+        and ended >= max(1, spec.get("abort_min_devices") or 0)
+        and failed * 100 > threshold * ended
+    ):
+        skipped = (
+            _rows(run, index)
+            .filter(status=StepStatus.PENDING)
+            .update(status=StepStatus.SKIPPED, error="rollout aborted", finished_at=timezone.now())
+        )
+        error = (
+            f"step {index}: rollout aborted, {failed} of {ended} devices failed (> {threshold}%): {breakdown}"
+        )
+        if skipped:
+            event_record(
+                "step.aborted", run=run, message=f"{error}; {skipped} devices not started", index=index
+            )
+        run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=error)
+        return
+    if by_status[StepStatus.PENDING] or any(by_status[s] for s in ACTIVE):
+        if by_status[StepStatus.PENDING]:
+            fanout_pump(run=run, index=index)
+        return
+    ok = succeeded * 100 >= spec.get("success_percent", 100) * total
+    message = f"{succeeded} of {total} devices succeeded" + (f"; failures: {breakdown}" if failed else "")
+    event_record("step.fanout_done", run=run, message=message, index=index, by_status=dict(by_status))
+    run_step_done(
+        run=run,
+        index=index,
+        ok=ok,
+        status=StepStatus.SUCCEEDED if ok else StepStatus.FAILED,
+        error=f"step {index}: {message}",
+    )
