@@ -48,6 +48,7 @@ class DeviceBehaviour:
     latency_min_ms: float = 20.0
     latency_max_ms: float = 80.0
     failure_rate: float = 0.0  # probability that a command's done says ok=false (retryable)
+    failing_actions: frozenset[str] = frozenset()  # these actions always fail (e.g. one broken operation)
     silent: bool = False  # online and subscribed, but never replies to a command
     progress: bool = True  # send one progress message halfway through
     command_topic: str = ""  # legacy firmware: the one fixed topic commands arrive on
@@ -355,7 +356,10 @@ class SimulatedDevice:
     def _command_finish(self, command: dict[str, Any]) -> None:
         """Timer callback: the command is done; it leaves the in-flight set before done is sent,
         so the next command the done unblocks can never look like an overlap."""
-        ok = self._rng.random() >= self.behaviour.failure_rate
+        ok = (
+            self._rng.random() >= self.behaviour.failure_rate
+            and command["action"] not in self.behaviour.failing_actions
+        )
         if ok:
             result = {"device": self.name, "action": command["action"], "echo": command["args"]}
             if command["action"] == "read_info":

@@ -141,8 +141,14 @@ IOTQUEUE_RECONCILE_SECONDS = env.float("IOTQUEUE_RECONCILE_SECONDS", default=30.
 # Lease of a holder that was handed a device's lock, until its dispatch extends it: how
 # long a hand-off lost with a killed worker keeps the device idle.
 IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", default=60.0)
+# Finished runs (with their steps and events) older than this are deleted, hourly.
+IOTQUEUE_RETENTION_DAYS = env.float("IOTQUEUE_RETENTION_DAYS", default=30.0)
+# A trigger repeating an idempotency key within this window gets the existing run back;
+# after it, the key starts a new run.
+IOTQUEUE_IDEMPOTENCY_HOURS = env.float("IOTQUEUE_IDEMPOTENCY_HOURS", default=24.0)
 CELERY_BEAT_SCHEDULE = {
     "iotqueue-monitor": {"task": "jobs.monitor_tick", "schedule": IOTQUEUE_MONITOR_INTERVAL},
+    "iotqueue-retention": {"task": "jobs.runs_prune", "schedule": 3600.0},
 }
 CELERY_TIMEZONE = TIME_ZONE
 

@@ -1,20 +1,68 @@
 """Admin: templates with inline ordered steps, runs with their steps and timeline."""
 
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.forms.models import BaseInlineFormSet
 
 from devices.admin import DeviceAdmin
 from devices.models import Device
 
 from .cancel import lock_force_release, run_cancel
 from .models import JobRun, JobStep, JobTemplate, RunEvent, StepRun
+from .validation import template_errors
 
 
-class JobStepInline(admin.TabularInline):
+class JobStepFormSet(BaseInlineFormSet):
+    """Checks across steps (references to earlier steps, unique names) on save."""
+
+    def clean(self) -> None:
+        super().clean()
+        steps = [
+            form.instance
+            for form in self.forms
+            if getattr(form, "cleaned_data", None) and not form.cleaned_data.get("DELETE")
+        ]
+        errors = template_errors(steps)
+        if errors:
+            raise ValidationError(
+                [
+                    f"{label}, {field}: {message}"
+                    for label, fields in errors.items()
+                    for field, message in fields.items()
+                ]
+            )
+
+
+class JobStepInline(admin.StackedInline):
     model = JobStep
-    extra = 1
+    formset = JobStepFormSet
+    extra = 0
     ordering = ["position"]
-    autocomplete_fields = ["device"]
-    fields = ["position", "name", "device", "action", "args", "timeout_seconds", "max_attempts", "on_failure"]
+    autocomplete_fields = ["device", "group"]
+    fieldsets = [
+        (None, {"fields": [("position", "name", "kind"), ("action", "args")]}),
+        ("Target (exactly one)", {"fields": [("device", "device_param"), ("group", "labels")]}),
+        (
+            "Timing and failure",
+            {
+                "fields": [
+                    ("timeout_seconds", "ack_timeout_seconds", "queue_timeout_seconds", "delay_seconds"),
+                    ("max_attempts", "backoff_seconds", "on_failure"),
+                    ("compensation_action", "compensation_args"),
+                ]
+            },
+        ),
+        (
+            "Fan-out",
+            {
+                "classes": ["collapse"],
+                "fields": [
+                    ("rollout_per_minute", "max_in_flight"),
+                    ("abort_failure_percent", "abort_min_devices", "success_percent"),
+                ],
+            },
+        ),
+    ]
 
 
 @admin.register(JobTemplate)
@@ -29,7 +77,19 @@ class StepRunInline(admin.TabularInline):
     extra = 0
     can_delete = False
     ordering = ["index"]
-    fields = ["index", "device", "action", "status", "attempt", "fence", "progress", "error", "finished_at"]
+    fields = [
+        "index",
+        "phase",
+        "device",
+        "action",
+        "status",
+        "attempt",
+        "fence",
+        "progress",
+        "result",
+        "error",
+        "finished_at",
+    ]
     readonly_fields = fields
 
     def has_add_permission(self, request, obj=None) -> bool:

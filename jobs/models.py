@@ -255,10 +255,10 @@ class StepRun(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        ordering = ["run", "index", "device"]
+        ordering = ["run", "phase", "index", "device"]
         constraints = [
             models.UniqueConstraint(
-                fields=["run", "index", "device"], name="steprun_unique_run_index_device"
+                fields=["run", "phase", "index", "device"], name="steprun_unique_run_phase_index_device"
             ),
         ]
         indexes = [

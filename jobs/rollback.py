@@ -1,6 +1,7 @@
 """Rollback: when a step fails for good under policy `rollback`, undo what succeeded.
 
-The compensations of the steps that succeeded run one at a time in reverse order, each as
+The compensations of the steps that ran run one at a time in reverse order — the failed
+step's own first (it may have done part of its work), then those that succeeded — each as
 an ordinary step row (phase `compensation`) with the step's timeout and retries, under the
 same device locks. The run ends `compensated` when all of them succeeded, else `failed`
 with the compensation failures listed. Fan-out steps have no compensation.
@@ -14,6 +15,9 @@ from . import templating
 from .engine import step_acquire, step_context, step_row_create
 from .events import event_record
 from .models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+
+# Step outcomes whose effects a compensation may have to undo.
+UNDOABLE = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT)
 
 
 def rollback_start(*, run: JobRun, reason: str) -> None:
@@ -35,12 +39,12 @@ def compensation_next(*, run: JobRun) -> None:
     if compensations.exclude(status__in=STEP_TERMINAL).exists():
         return  # one at a time: the running one calls back when it ends
     done = set(compensations.values_list("index", flat=True))
-    succeeded = (
+    ran = (
         StepRun.objects.select_related("device")
-        .filter(run=run, phase=Phase.FORWARD, status=StepStatus.SUCCEEDED, device__isnull=False)
+        .filter(run=run, phase=Phase.FORWARD, status__in=UNDOABLE, device__isnull=False)
         .order_by("-index")
     )
-    for forward in succeeded:
+    for forward in ran:
         spec = run.plan[forward.index]
         if (
             not spec.get("compensation_action")

@@ -10,6 +10,16 @@ class RunStartSerializer(serializers.Serializer):
     parameters = serializers.JSONField(required=False, default=dict)
     priority = serializers.IntegerField(required=False, min_value=0, max_value=9)
     idempotency_key = serializers.CharField(required=False, max_length=200, allow_blank=False)
+    for_each = serializers.JSONField(
+        required=False, help_text='One run per device: {"group": "pumps"} or {"labels": {"site": "berlin"}}.'
+    )
+
+    def validate_for_each(self, value):
+        if not isinstance(value, dict) or set(value) - {"group", "labels"} or not value:
+            raise serializers.ValidationError('Use {"group": NAME} or {"labels": {KEY: VALUE}}.')
+        if "labels" in value and not isinstance(value["labels"], dict):
+            raise serializers.ValidationError("labels must be a JSON object.")
+        return value
 
     def validate_parameters(self, value):
         if not isinstance(value, dict):
@@ -18,12 +28,13 @@ class RunStartSerializer(serializers.Serializer):
 
 
 class StepRunSerializer(serializers.ModelSerializer):
-    device = serializers.CharField(source="device.name")
+    device = serializers.CharField(source="device_name")
 
     class Meta:
         model = StepRun
         fields = [
             "index",
+            "phase",
             "device",
             "action",
             "args",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from .events import event_record
 from .models import JobRun, JobTemplate, Trigger
@@ -75,8 +78,11 @@ def run_start(
         raise RunStartError("priority", "priority must be from 0 to 9")
     if idempotency_key:
         existing = JobRun.objects.filter(idempotency_key=idempotency_key).first()
-        if existing is not None:
+        window = timedelta(hours=settings.IOTQUEUE_IDEMPOTENCY_HOURS)
+        if existing is not None and existing.created_at > timezone.now() - window:
             return existing, False
+        if existing is not None:  # the key's window is over: it may start a new run
+            JobRun.objects.filter(pk=existing.pk).update(idempotency_key=None)
     plan = template_plan(template)
     if not plan:
         raise RunStartError("template", f"template {template.name!r} has no steps")
@@ -104,3 +110,33 @@ def _run_enqueue(run: JobRun) -> None:
     from .tasks import run_advance_task
 
     run_advance_task.delay(str(run.pk))
+
+
+def run_start_each(
+    *,
+    template: JobTemplate,
+    group: str = "",
+    labels: dict[str, str] | None = None,
+    parameters: dict[str, Any] | None = None,
+    **options: Any,
+) -> list[JobRun]:
+    """One run of the template per device of a group / label selector ("for each device").
+
+    Each run gets the device's name as parameter `device`; steps address it with
+    device_param "device". The devices are those enabled when the trigger fires.
+    """
+    from .fanout import fanout_devices
+
+    devices = fanout_devices({"group": group, "labels": labels or {}})
+    if not devices:
+        raise RunStartError("for_each", "no enabled device matches")
+    key = options.pop("idempotency_key", None)
+    return [
+        run_start(
+            template=template,
+            parameters={**(parameters or {}), "device": device.name},
+            idempotency_key=f"{key}:{device.name}" if key else None,
+            **options,
+        )[0]
+        for device in devices
+    ]

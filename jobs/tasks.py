@@ -8,7 +8,7 @@ from celery import shared_task
 
 from devices.protocol import Reply
 
-from . import cancel, engine, monitor, outcomes, presence
+from . import cancel, engine, monitor, outcomes, presence, retention
 from .deadlines import Deadline
 from .models import JobRun
 
@@ -51,3 +51,8 @@ def run_cancel_task(run_id: str, by: str) -> None:
     run = JobRun.objects.filter(pk=run_id).first()
     if run is not None:
         cancel.run_cancel(run=run, by=by)
+
+
+@shared_task(name="jobs.runs_prune")
+def runs_prune_task() -> int:
+    return retention.runs_prune()
