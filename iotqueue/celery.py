@@ -3,7 +3,7 @@
 import os
 
 from celery import Celery
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import task_prerun, worker_process_init, worker_process_shutdown
 
 from . import kombu_fix
 
@@ -29,3 +29,11 @@ def _publisher_close(**kwargs) -> None:
     from .mqtt import publisher
 
     publisher.close()
+
+
+@task_prerun.connect
+def _database_connection_check(**kwargs) -> None:
+    """With connection reuse on, drop a connection that broke or outlived CONN_MAX_AGE."""
+    from django.db import close_old_connections
+
+    close_old_connections()

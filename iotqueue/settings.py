@@ -130,6 +130,10 @@ CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 # Unacked tasks of a killed worker come back after this long; the monitor, not
 # redelivery, is what rescues a run, so it may be generous.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=300)}
+# Celery's Django fixup closes the database connection around every task unless this is
+# set; a step costs a few milliseconds, so a reconnect per task (PostgreSQL: a new backend)
+# would dominate. Connections are recycled every N tasks and checked before each one.
+CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=200)
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # The monitor tick (timeouts, retries, lease reclaim); its period bounds how late a
 # deadline fires. DatabaseScheduler copies this entry into its table on start, and

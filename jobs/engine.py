@@ -138,6 +138,13 @@ def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
     return context
 
 
+def step_args(run: JobRun, args: dict[str, Any], device: Device | None) -> dict[str, Any]:
+    """Args with their references resolved; no context is read when there are none."""
+    if not templating.references(args):
+        return args
+    return templating.render(args, step_context(run, device))
+
+
 def step_target(run: JobRun, spec: dict[str, Any]) -> tuple[Device | None, str]:
     """The one device a step addresses, or (None, why not)."""
     name = spec["device"]
@@ -174,7 +181,7 @@ def step_start(*, run: JobRun, index: int) -> None:
         _step_refuse(run, index, spec["device"] or spec.get("device_param", ""), problem)
         return
     try:
-        args = templating.render(spec["args"], step_context(run, device))
+        args = step_args(run, spec["args"], device)
     except templating.TemplateError as exc:
         _step_refuse(run, index, device.name, str(exc))
         return
@@ -198,23 +205,25 @@ def step_row_create(
     """The queued row of a step (once), with its queue deadline."""
     spec = run.plan[index]
     now = timezone.now()
-    step_run, created = StepRun.objects.get_or_create(
-        run=run,
-        phase=phase,
-        index=index,
-        device=device,
-        defaults={
-            "action": action,
-            "args": args,
-            "status": StepStatus.QUEUED,
-            "queued_at": now,
-            "deadline": now + timedelta(seconds=spec["queue_timeout_seconds"]),
-        },
-    )
-    step_run.run = run
+    with transaction.atomic():
+        step_run, created = StepRun.objects.get_or_create(
+            run=run,
+            phase=phase,
+            index=index,
+            device=device,
+            defaults={
+                "action": action,
+                "args": args,
+                "status": StepStatus.QUEUED,
+                "queued_at": now,
+                "deadline": now + timedelta(seconds=spec["queue_timeout_seconds"]),
+            },
+        )
+        step_run.run = run
+        if created:
+            event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
     if created:
         deadlines_set({Deadline("queue", step_run.pk, 0): step_run.deadline})
-        event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
     return step_run
 
 

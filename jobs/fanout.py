@@ -20,7 +20,7 @@ from devices.models import Device
 
 from . import templating
 from .deadlines import Deadline, deadlines_set
-from .engine import step_acquire, step_context
+from .engine import step_acquire, step_args
 from .events import event_record
 from .models import STEP_TERMINAL, JobRun, Phase, StepRun, StepStatus
 
@@ -61,7 +61,7 @@ def fanout_start(*, run: JobRun, index: int) -> None:
     rows = []
     for device in devices:
         try:
-            args = templating.render(spec["args"], step_context(run, device))
+            args = step_args(run, spec["args"], device)
         except templating.TemplateError as exc:
             run_step_done(
                 run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {exc}"

@@ -111,6 +111,30 @@ def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
         event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
 
 
+def step_ack_apply(*, device: str, reply: protocol.Reply) -> bool:
+    """ack/progress applied in place (by the bridge, no task): one UPDATE in the common case.
+
+    Returns False when the reply matches no current attempt of that device; the caller
+    then hands it to `step_reply`, which finds out why and records it.
+    """
+    current = StepRun.objects.filter(
+        command_id=reply.command_id, device__name=device, status__in=STEP_IN_FLIGHT
+    )
+    changes = {"status": StepStatus.IN_PROGRESS, "acked_at": Coalesce("acked_at", timezone.now())}
+    if reply.progress is not None:
+        changes["progress"] = reply.progress
+    if current.filter(status=StepStatus.DISPATCHED).update(**changes):
+        step_run = StepRun.objects.select_related("device").get(command_id=reply.command_id)
+        deadlines_clear(
+            [Deadline("ack", step_run.pk, step_run.attempt), Deadline("send", step_run.pk, step_run.attempt)]
+        )
+        event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
+        return True
+    if reply.progress is not None:
+        return bool(current.update(progress=reply.progress))
+    return current.exists()
+
+
 # --- ending an attempt ----------------------------------------------------------------
 
 

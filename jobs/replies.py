@@ -1,7 +1,9 @@
 """Bridge handlers for device replies: validate and correlate cheaply, hand off to Celery.
 
-Malformed messages are dropped here with a `message.dropped` event; everything else is
-checked against the database by the `step_reply` task (unknown id, foreign device, stale).
+Malformed messages are dropped here with a `message.dropped` event. An ack or progress for
+a current attempt is applied here in one statement (a task per ack would double the
+engine's work per step); a `done`, and anything that matches no current attempt, goes to
+the `step_reply` task, which checks it against the database (unknown, foreign, stale).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from devices.models import Device
 from iotqueue.bridge import Handler
 
 from .events import event_record
+from .outcomes import step_ack_apply
 from .tasks import step_reply_task
 
 
@@ -22,6 +25,8 @@ def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> N
     except protocol.ProtocolError as exc:
         event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
         return
+    if reply.kind != "done" and step_ack_apply(device=device, reply=reply):
+        return  # the common ack/progress: applied in one statement, no task
     step_reply_task.delay(device, reply.as_task_payload())
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from django.utils import timezone
 
 from . import templating
-from .engine import step_acquire, step_context, step_row_create
+from .engine import step_acquire, step_args, step_row_create
 from .events import event_record
 from .models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 
@@ -54,7 +54,7 @@ def compensation_next(*, run: JobRun) -> None:
         ):
             continue
         try:
-            args = templating.render(spec["compensation_args"], step_context(run, forward.device))
+            args = step_args(run, spec["compensation_args"], forward.device)
         except templating.TemplateError as exc:
             args = {"error": str(exc)}
         step_run = step_row_create(

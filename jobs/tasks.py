@@ -4,6 +4,8 @@ Every task is safe to run twice (acks_late redelivery): the engine's transitions
 compare-and-sets on (step, attempt, command id, fence).
 """
 
+import logging
+
 from celery import shared_task
 
 from devices.protocol import Reply
@@ -11,6 +13,8 @@ from devices.protocol import Reply
 from . import cancel, engine, monitor, outcomes, presence, retention
 from .deadlines import Deadline
 from .models import JobRun
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(name="jobs.run_advance")
@@ -26,6 +30,16 @@ def step_reply_task(device: str, reply: dict) -> None:
 @shared_task(name="jobs.step_deadline")
 def step_deadline_task(kind: str, step_run_id: int, attempt: int) -> None:
     outcomes.step_deadline(deadline=Deadline(kind, step_run_id, attempt))
+
+
+@shared_task(name="jobs.step_deadlines")
+def step_deadlines_task(members: list[str]) -> None:
+    """A chunk of due deadlines; one failing does not stop the others."""
+    for member in members:
+        try:
+            outcomes.step_deadline(deadline=Deadline.parse(member))
+        except Exception:
+            log.exception("deadline %s failed; the database sweep will find its step again", member)
 
 
 @shared_task(name="jobs.lease_reclaim")
