@@ -4,12 +4,13 @@ from django.db.models import Prefetch
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
 from .cancel import run_cancel
 from .models import JobRun, StepRun
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
-from .services import RunStartError, run_start
+from .services import RunStartError, run_start, run_start_each
 
 
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -37,16 +38,22 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def create(self, request, *args, **kwargs):
         serializer = RunStartSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
+        options = dict(serializer.validated_data, trigger="rest", triggered_by=request.user.username)
+        for_each = options.pop("for_each", None)
         try:
-            run, created = run_start(
-                **serializer.validated_data, trigger="rest", triggered_by=request.user.username
-            )
+            if for_each:
+                runs = run_start_each(
+                    **options, group=for_each.get("group", ""), labels=for_each.get("labels")
+                )
+                body = RunSerializer(runs, many=True, context={"request": request}).data
+                return Response(body, status=status.HTTP_201_CREATED)
+            run, created = run_start(**options)
         except RunStartError as exc:
             raise ValidationError({exc.field: [str(exc)]}) from None
         body = RunSerializer(run, context={"request": request}).data
         return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
-    @action(detail=True, methods=["post"])
+    @action(detail=True, methods=["post"], permission_classes=[IsAuthenticated])
     def cancel(self, request, pk=None):
         """Cancel a pending or running run (409 when it has already ended)."""
         run = self.get_object()

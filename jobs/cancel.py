@@ -53,7 +53,7 @@ def step_cancel(*, step_run: StepRun, reason: str) -> None:
         return  # it moved on meanwhile; a finished attempt needs no cancel
     step_run.status = StepStatus.CANCELED
     deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
-    if previous in STEP_IN_FLIGHT:
+    if previous in STEP_IN_FLIGHT and step_run.command_id:
         _cancel_command_send(step_run)
         lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     elif step_run.device_id:

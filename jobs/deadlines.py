@@ -5,7 +5,7 @@ Kinds: `queue` (waited too long for the device), `ack` and `done` (the device di
 answer in time), `retry` (back-off over: queue again), `send` (the command was committed
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
-rate allows starting more devices; the member names the fan-out's first row).
+rate allows starting more devices; the member names a row of the fan-out not yet started).
 
 How it fails: the set lives in Redis, so a Redis restart loses it. The step rows carry
 the same deadline (`StepRun.deadline`), and the monitor's reconcile pass re-finds overdue

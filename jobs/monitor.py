@@ -32,6 +32,8 @@ from .engine import HOLDER_KIND, lease_seconds, lock_pass_on, step_acquire, step
 from .events import event_record
 from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
 from .outcomes import attempt_end, run_continue
+from .presence import step_resume
+from .rollback import compensation_next
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,8 @@ def reconcile() -> int:
     for step_run in stalled:
         run_continue(step_run=step_run)
         moved += 1
+    for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
+        compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
     if overdue or unstarted or moved:
         log.warning(
             "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs",
@@ -152,7 +156,9 @@ def locks_rebuild() -> bool:
         log.warning("device locks: Redis has no lock state; rebuilding from the database")
         executing = {
             s.device.name: s
-            for s in StepRun.objects.select_related("run", "device").filter(status__in=STEP_IN_FLIGHT)
+            for s in StepRun.objects.select_related("run", "device").filter(
+                status__in=STEP_IN_FLIGHT, command_id__isnull=False
+            )
         }
         floors = (
             StepRun.objects.filter(fence__isnull=False).values_list("device__name").annotate(top=Max("fence"))
@@ -176,7 +182,7 @@ def locks_rebuild() -> bool:
         lock_epoch_start()
         queued = StepRun.objects.select_related("run", "device").filter(status=StepStatus.QUEUED)
         for step_run in queued.order_by("queued_at", "pk"):
-            step_acquire(step_run=step_run)
+            step_resume(step_run=step_run)
         log.warning("device locks rebuilt: %d executing, %d queued", len(executing), len(entries))
         return True
     finally:

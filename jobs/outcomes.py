@@ -237,6 +237,11 @@ def step_deadline(*, deadline: Deadline) -> None:
     step_run = StepRun.objects.select_related("run", "device").filter(pk=deadline.step_run_id).first()
     if step_run is None or step_run.attempt != deadline.attempt:
         return
+    if step_run.device_id is None:  # a delay step: whatever found it due (wake, sweep), it is over
+        from .waits import delay_end
+
+        delay_end(step_run=step_run)
+        return
     if deadline.kind == "send":
         command_resend(step_run_id=step_run.pk, attempt=deadline.attempt)
     elif deadline.kind in ("ack", "done") and step_run.status in STEP_IN_FLIGHT:
@@ -256,10 +261,6 @@ def step_deadline(*, deadline: Deadline) -> None:
         step_queue_timeout(step_run=step_run)
     elif deadline.kind == "dispatch" and step_run.status == StepStatus.QUEUED:
         _dispatch_if_holding(step_run)
-    elif deadline.kind == "wake":
-        from .waits import delay_end
-
-        delay_end(step_run=step_run)
     elif deadline.kind == "pump":
         from .fanout import fanout_pump
 

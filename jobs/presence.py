@@ -17,12 +17,17 @@ def device_online(*, name: str) -> int:
     )
     count = 0
     for step_run in waiting:
-        if step_spec(step_run).get("kind") == StepKind.WAIT_ONLINE:
-            wait_online_check(step_run=step_run)
-        else:
-            step_acquire(step_run=step_run)
+        step_resume(step_run=step_run)
         count += 1
     return count
+
+
+def step_resume(*, step_run: StepRun) -> None:
+    """A queued step gets another chance: a wait-for-online step checks, a command asks for the lock."""
+    if step_spec(step_run).get("kind") == StepKind.WAIT_ONLINE:
+        wait_online_check(step_run=step_run)
+    else:
+        step_acquire(step_run=step_run)
 
 
 def device_offline(*, name: str) -> int:

@@ -41,7 +41,7 @@ def compensation_next(*, run: JobRun) -> None:
     done = set(compensations.values_list("index", flat=True))
     ran = (
         StepRun.objects.select_related("device")
-        .filter(run=run, phase=Phase.FORWARD, status__in=UNDOABLE, device__isnull=False)
+        .filter(run=run, phase=Phase.FORWARD, status__in=UNDOABLE, device__isnull=False, attempt__gt=0)
         .order_by("-index")
     )
     for forward in ran:

@@ -15,7 +15,7 @@ from devices.protocol import ACTION_RE
 from . import templating
 
 # What an args reference may start with.
-REFERENCE_ROOTS = ("params", "steps", "run")
+REFERENCE_ROOTS = ("params", "steps", "run", "device")
 
 
 def _target_count(step) -> int:

@@ -249,3 +249,46 @@ def test_retention_prunes_old_finished_runs_only(stack, simulator):
     assert runs_prune(older_than_days=30) == 1
     assert list(JobRun.objects.filter(pk__in=[old.pk, recent.pk])) == [recent]
     assert not StepRun.objects.filter(run_id=old.pk).exists()
+
+
+def test_rest_for_each_starts_a_run_per_labelled_device(stack, simulator):
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    label = f"cam-{uuid.uuid4().hex[:6]}"
+    cams = [DeviceFactory(labels={"kind": label}) for _ in range(3)]
+    simulator({c.name: DeviceBehaviour() for c in cams})
+    step = JobStepFactory(
+        device=None, device_param="device", action="snapshot", args={"cam": "{{ device.name }}"}
+    )
+    assert not template_errors([step])
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("ops", "ops@example.com", "pw"))
+
+    response = client.post(
+        "/api/runs/", {"template": step.template.name, "for_each": {"labels": {"kind": label}}}, format="json"
+    )
+
+    assert response.status_code == 201, response.content
+    runs = [JobRun.objects.get(pk=r["id"]) for r in response.json()]
+    assert sorted(r.parameters["device"] for r in runs) == sorted(c.name for c in cams)
+    for run in runs:
+        assert wait_for(lambda run=run: finished(run)).status == RunStatus.SUCCEEDED
+    bad = client.post(
+        "/api/runs/",
+        {"template": step.template.name, "for_each": {"labels": {"kind": "none"}}},
+        format="json",
+    )
+    assert bad.status_code == 400 and "for_each" in bad.json()
+
+
+def test_cancel_during_a_delay_step(stack):
+    from jobs.cancel import run_cancel
+
+    template = JobTemplateFactory()
+    JobStepFactory(template=template, position=0, device=None, kind=StepKind.DELAY, delay_seconds=60)
+    run, _ = run_start(template=template)
+    wait_for(lambda: StepRun.objects.filter(run=run, status=StepStatus.IN_PROGRESS).exists(), what="delay")
+
+    assert run_cancel(run=run, by="ops")
+    assert StepRun.objects.get(run=run).status == StepStatus.CANCELED
