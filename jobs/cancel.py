@@ -18,7 +18,7 @@ from devices.models import Device
 from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
-from .engine import HOLDER_KIND, RUN_ACTIVE, lock_pass_on, step_holder
+from .engine import HOLDER_KIND, RUN_ACTIVE, lock_pass_on, step_acquire, step_holder
 from .events import event_record
 from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
 from .outcomes import attempt_end
@@ -105,4 +105,6 @@ def lock_force_release(*, device: Device, by: str) -> str | None:
     grant = device_lock_release(device.name, holder=state.holder, fence=state.fence or 0, force=True)
     if grant is not None:
         device_lock_handoff(device.name, grant)
+    if step_run is not None and step_run.status == StepStatus.QUEUED:
+        step_acquire(step_run=step_run)  # granted but not sent yet (e.g. spaced): back in the queue
     return state.holder

@@ -108,9 +108,11 @@ def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     """(rows by status, failure reasons by count) of one fan-out step."""
     rows = _rows(run, index)
     by_status = Counter(rows.values_list("status", flat=True))
-    reasons = Counter(
-        rows.filter(status__in=(StepStatus.FAILED, StepStatus.TIMED_OUT)).values_list("error", flat=True)
+    failed = rows.filter(status__in=(StepStatus.FAILED, StepStatus.TIMED_OUT)).values_list(
+        "error", "device__name"
     )
+    # "no done from pump-17 within 30s" and "... pump-18 ..." are one reason, not two.
+    reasons = Counter(error.replace(device, "<device>") if device else error for error, device in failed)
     return by_status, reasons
 
 

@@ -56,7 +56,9 @@ def compensation_next(*, run: JobRun) -> None:
         try:
             args = step_args(run, spec["compensation_args"], forward.device)
         except templating.TemplateError as exc:
-            args = {"error": str(exc)}
+            # e.g. it reads a result the failed step never produced: record, never send garbage
+            _compensation_refused(run, forward, spec["compensation_action"], str(exc))
+            continue
         step_run = step_row_create(
             run=run,
             index=forward.index,
@@ -69,6 +71,24 @@ def compensation_next(*, run: JobRun) -> None:
             step_acquire(step_run=step_run)
         return
     _rollback_finish(run, compensations)
+
+
+def _compensation_refused(run: JobRun, forward: StepRun, action: str, reason: str) -> None:
+    StepRun.objects.get_or_create(
+        run=run,
+        phase=Phase.COMPENSATION,
+        index=forward.index,
+        device=forward.device,
+        defaults={
+            "action": action,
+            "status": StepStatus.FAILED,
+            "error": reason,
+            "finished_at": timezone.now(),
+        },
+    )
+    event_record(
+        "step.failed", run=run, device=forward.device.name, message=f"compensation {action}: {reason}"
+    )
 
 
 def _rollback_finish(run: JobRun, compensations) -> None:
