@@ -141,14 +141,22 @@ class Publisher:
             address = broker_address()
             raise PublishError(f"not connected to MQTT broker at {address.host}:{address.port}")
         info = client.publish(topic, payload, qos=qos, retain=retain)
-        if info.rc != mqtt.MQTT_ERR_SUCCESS:
-            raise PublishError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         try:
-            info.wait_for_publish(timeout=PUBLISH_TIMEOUT_SECONDS)
-        except (RuntimeError, ValueError) as exc:
-            raise PublishError(f"publish to {topic} failed: {exc}") from None
-        if not info.is_published():
-            raise PublishError(f"no PUBACK for {topic} within {PUBLISH_TIMEOUT_SECONDS}s")
+            if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
+                raise PublishError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            try:
+                info.wait_for_publish(timeout=PUBLISH_TIMEOUT_SECONDS)
+            except (RuntimeError, ValueError) as exc:
+                raise PublishError(f"publish to {topic} failed: {exc}") from None
+            if not info.is_published():
+                raise PublishError(f"no PUBACK for {topic} within {PUBLISH_TIMEOUT_SECONDS}s")
+        except PublishError:
+            # paho keeps an unacknowledged QoS 1 message and sends it again after reconnecting.
+            # The caller treats this command as not sent (its attempt will time out and the
+            # device may get the next command), so a late copy must never leave: drop the
+            # client together with its queue.
+            self.close()
+            raise
 
     def close(self) -> None:
         with self._lock:

@@ -179,5 +179,12 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
-    "loggers": {"amqtt": {"level": "WARNING"}, "transitions": {"level": "WARNING"}},
+    "loggers": {
+        "amqtt": {"level": "WARNING"},
+        "transitions": {"level": "WARNING"},
+        # Two INFO lines per task (received, succeeded) cost more than a step's own work;
+        # failures are still logged (ERROR), and the engine logs every transition itself.
+        "celery.app.trace": {"level": env("CELERY_TASK_LOG_LEVEL", default="WARNING")},
+        "celery.worker.strategy": {"level": env("CELERY_TASK_LOG_LEVEL", default="WARNING")},
+    },
 }

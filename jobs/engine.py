@@ -222,19 +222,23 @@ def step_row_create(
         step_run.run = run
         if created:
             event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
-    if created:
-        deadlines_set({Deadline("queue", step_run.pk, 0): step_run.deadline})
+    # Its queue deadline goes to Redis only if it has to wait (step_acquire): most steps get
+    # their device at once. Should this process die first, the database sweep finds the row.
     return step_run
 
 
-def step_acquire(*, step_run: StepRun) -> None:
+def step_acquire(*, step_run: StepRun, quiet: bool = False) -> None:
     """Take the device lock and dispatch, or wait (device busy or offline; no worker waits).
 
     A step for an offline device stays queued outside the lock queue; the device's return
     online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait.
     """
     if not step_run.device.reachable:
-        event_record("step.waiting", step_run=step_run, message=f"device {step_run.device.name} is offline")
+        _queue_deadline_set(step_run)
+        if not quiet:
+            event_record(
+                "step.waiting", step_run=step_run, message=f"device {step_run.device.name} is offline"
+            )
         return
     outcome = device_lock_acquire(
         step_run.device.name,
@@ -243,19 +247,34 @@ def step_acquire(*, step_run: StepRun) -> None:
         lease_seconds=lease_seconds(step_spec(step_run)),
     )
     if isinstance(outcome, Grant):
-        step_dispatch(step_run_id=step_run.pk, fence=outcome.fence)
-    elif isinstance(outcome, NotReady):
+        # The grant's lease already covers this step's timeout: no extend needed.
+        step_dispatch(step_run_id=step_run.pk, fence=outcome.fence, step_run=step_run, lease_fresh=True)
+        return
+    _queue_deadline_set(step_run)
+    if isinstance(outcome, NotReady):
         from .monitor import locks_rebuild
 
         # Redis lost the locks; rebuilding them re-acquires every queued step, this one too.
         locks_rebuild()
-    else:
+    elif not quiet:
         event_record("step.waiting", step_run=step_run, message=f"device busy, position {outcome.position}")
 
 
-def step_dispatch(*, step_run_id: int, fence: int) -> None:
-    """Commit the attempt (command id, fence, deadlines), then publish the command."""
-    step_run = StepRun.objects.select_related("run", "device").get(pk=step_run_id)
+def _queue_deadline_set(step_run: StepRun) -> None:
+    if step_run.deadline is not None:
+        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
+
+
+def step_dispatch(
+    *, step_run_id: int, fence: int, step_run: StepRun | None = None, lease_fresh: bool = False
+) -> None:
+    """Commit the attempt (command id, fence, deadlines), then publish the command.
+
+    `step_run` may be passed when the caller has just loaded it; the compare-and-set on
+    (status, attempt) keeps a stale copy harmless.
+    """
+    if step_run is None:
+        step_run = StepRun.objects.select_related("run", "device").get(pk=step_run_id)
     if step_run.status != StepStatus.QUEUED or step_run.run.status not in RUN_ACTIVE:
         if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
             return  # redelivered task: already dispatched under this grant
@@ -312,9 +331,10 @@ def step_dispatch(*, step_run_id: int, fence: int) -> None:
         for field, value in changes.items():
             setattr(step_run, field, value)
         event_record("step.dispatched", step_run=step_run, message=f"attempt {attempt}, fence {fence}")
-    device_lock_extend(
-        step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
-    )
+    if not lease_fresh:
+        device_lock_extend(
+            step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
+        )
     device_flow_record(step_run.device)
     if command_send(step_run=step_run):
         deadlines_clear([Deadline("send", step_run.pk, attempt)])

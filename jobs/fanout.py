@@ -97,8 +97,6 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
             oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
             anchor = pending[len(start)]
             deadlines_set({Deadline("pump", anchor, 0): oldest + RATE_WINDOW})
-    if start:
-        deadlines_set({Deadline("queue", pk, 0): deadline for pk in start})
     for step_run in StepRun.objects.select_related("run", "device").filter(pk__in=start):
         step_acquire(step_run=step_run)
     return len(start)

@@ -130,6 +130,16 @@ def reconcile() -> int:
     for step_run in stalled:
         run_continue(step_run=step_run)
         moved += 1
+    # Queued steps whose lock request was lost with a killed worker (row committed, no
+    # acquire) or whose hand-off was (granted, never dispatched): asking again is
+    # idempotent: a waiting step keeps its place, a step that holds the lock is dispatched.
+    waiting = (
+        StepRun.objects.select_related("run", "device")
+        .filter(status=StepStatus.QUEUED, queued_at__lt=now - grace, device__isnull=False)
+        .order_by("queued_at")[:CLAIM_BATCH]
+    )
+    for step_run in waiting:
+        step_resume(step_run=step_run, quiet=True)
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
     if overdue or unstarted or moved:

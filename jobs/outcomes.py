@@ -290,7 +290,6 @@ def step_requeue(*, step_run: StepRun) -> None:
     ).update(status=StepStatus.QUEUED, queued_at=now, deadline=deadline):
         return
     step_run.status, step_run.queued_at, step_run.deadline = StepStatus.QUEUED, now, deadline
-    deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): deadline})
     event_record("step.queued", step_run=step_run, message=f"for attempt {step_run.attempt + 1}")
     step_acquire(step_run=step_run)
 

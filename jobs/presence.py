@@ -22,12 +22,12 @@ def device_online(*, name: str) -> int:
     return count
 
 
-def step_resume(*, step_run: StepRun) -> None:
+def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
     """A queued step gets another chance: a wait-for-online step checks, a command asks for the lock."""
     if step_spec(step_run).get("kind") == StepKind.WAIT_ONLINE:
         wait_online_check(step_run=step_run)
     else:
-        step_acquire(step_run=step_run)
+        step_acquire(step_run=step_run, quiet=quiet)
 
 
 def device_offline(*, name: str) -> int:

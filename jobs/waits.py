@@ -51,6 +51,7 @@ def wait_online_check(*, step_run: StepRun) -> bool:
     from .outcomes import run_continue
 
     if not step_run.device.reachable:
+        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
         event_record("step.waiting", step_run=step_run, message=f"until {step_run.device.name} is online")
         return False
     if StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED).update(

@@ -280,3 +280,32 @@ def test_legacy_device_with_fixed_topics_and_no_presence(stack, simulator):
     assert wait_for(lambda: finished(run), what="run to end").status == RunStatus.SUCCEEDED
     command = sim.received(device.name)[-1]
     assert (command["topic"], command["args"]) == (device.command_topic, {"person": "P-17"})
+
+
+def test_queued_step_whose_lock_request_was_lost_is_resumed_by_the_sweep(stack, simulator):
+    # given a step row committed as queued by a worker that died before asking for the lock
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.services import template_plan
+
+    device = DeviceFactory()
+    simulator({device.name: DeviceBehaviour()})
+    template = template_with_steps((device, "a", {}))
+    long_ago = timezone.now() - timedelta(minutes=5)
+    run = JobRun.objects.create(
+        template=template, plan=template_plan(template), status=RunStatus.RUNNING, started_at=long_ago
+    )
+    StepRun.objects.create(
+        run=run,
+        index=0,
+        device=device,
+        action="a",
+        status=StepStatus.QUEUED,
+        queued_at=long_ago,
+        deadline=timezone.now() + timedelta(minutes=10),
+    )
+
+    # then the sweep asks for the lock again and the run finishes
+    assert wait_for(lambda: finished(run), what="stranded step resumed").status == RunStatus.SUCCEEDED
