@@ -30,6 +30,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
+    "drf_spectacular",
     "django_celery_beat",
     "iotqueue",
     "devices",
@@ -103,6 +104,17 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.DjangoModelPermissions"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "iotqueue API",
+    "DESCRIPTION": "Devices, job templates and runs: start, follow and cancel jobs on IoT devices over MQTT.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "jobs.models.RunStatus",
+        "StepStatusEnum": "jobs.models.StepStatus",
+    },
 }
 
 # --- Redis: Celery broker and device locks -------------------------------------------

@@ -2,16 +2,24 @@
 
 from django.contrib import admin
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
-from jobs.api import RunViewSet
+from devices.api import DeviceGroupViewSet, DeviceViewSet
+from jobs.api import RunViewSet, TemplateViewSet
 
 router = DefaultRouter()
 router.register("runs", RunViewSet, basename="run")
+router.register("templates", TemplateViewSet, basename="template")
+router.register("devices", DeviceViewSet, basename="device")
+router.register("groups", DeviceGroupViewSet, basename="group")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include(router.urls)),
     path("api/token/", obtain_auth_token, name="api-token"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+    path("api/docs/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
 ]

@@ -8,9 +8,10 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
 from .cancel import run_cancel
-from .models import JobRun, StepRun
+from .models import JobRun, JobStep, JobTemplate, StepRun
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start, run_start_each
+from .template_serializers import JobTemplateSerializer
 
 
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -63,3 +64,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             return Response({"detail": f"run is already {run.status}"}, status=status.HTTP_409_CONFLICT)
         run.refresh_from_db()
         return Response(RunSerializer(run, context={"request": request}).data)
+
+
+class TemplateViewSet(viewsets.ModelViewSet):
+    """Templates with nested ordered steps; validation errors name the step and field."""
+
+    queryset = JobTemplate.objects.prefetch_related(
+        Prefetch("steps", queryset=JobStep.objects.select_related("device", "group").order_by("position"))
+    )
+    serializer_class = JobTemplateSerializer
+    lookup_field = "name"
+    lookup_value_regex = r"[^/]+"

@@ -1,0 +1,142 @@
+"""REST API: templates with nested steps, devices and their lock, permissions, the schema."""
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from rest_framework.test import APIClient
+
+from devices.locks import device_lock_acquire, device_lock_release
+from jobs.models import JobTemplate
+from tests.factories import DeviceFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def admin_api() -> APIClient:
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("admin", "a@example.com", "pw"))
+    return client
+
+
+@pytest.fixture
+def reader_api() -> APIClient:
+    reader = User.objects.create_user("reader")
+    reader.user_permissions.add(*Permission.objects.filter(codename__startswith="view_"))
+    client = APIClient()
+    client.force_authenticate(reader)
+    return client
+
+
+def provisioning(devices) -> dict:
+    """SCENARIOS #3 as a REST body."""
+    check, mysql, billing = devices
+    return {
+        "name": "Provision DB",
+        "steps": [
+            {
+                "position": 0,
+                "name": "check",
+                "device": check.name,
+                "action": "resource/check",
+                "args": {"cpu": "{{ params.cpu }}"},
+                "timeout_seconds": 300,
+                "compensation_action": "monitor/report_event",
+            },
+            {
+                "position": 1,
+                "device": mysql.name,
+                "action": "mysql/init_instance",
+                "args": {"host": "{{ steps.check.result.host }}"},
+                "timeout_seconds": 1800,
+                "max_attempts": 3,
+                "on_failure": "rollback",
+                "compensation_action": "mysql/clean_instance",
+            },
+            {
+                "position": 2,
+                "device": billing.name,
+                "action": "resource/deduct",
+                "timeout_seconds": 200,
+                "max_attempts": 2,
+            },
+        ],
+    }
+
+
+def test_template_with_steps_is_created_read_and_replaced(admin_api):
+    devices = [DeviceFactory() for _ in range(3)]
+    created = admin_api.post("/api/templates/", provisioning(devices), format="json")
+    assert created.status_code == 201, created.content
+    body = admin_api.get("/api/templates/Provision DB/").json()
+    assert [s["action"] for s in body["steps"]] == [
+        "resource/check",
+        "mysql/init_instance",
+        "resource/deduct",
+    ]
+    assert body["steps"][1]["device"] == devices[1].name
+
+    replaced = admin_api.put(
+        "/api/templates/Provision DB/",
+        {"name": "Provision DB", "steps": [{"position": 0, "device": devices[0].name, "action": "ping"}]},
+        format="json",
+    )
+    assert replaced.status_code == 200, replaced.content
+    assert JobTemplate.objects.get(name="Provision DB").steps.count() == 1
+
+
+def test_template_validation_errors_name_the_step_and_field(admin_api):
+    devices = [DeviceFactory() for _ in range(3)]
+    body = provisioning(devices)
+    body["steps"][1]["args"] = {"host": "{{ steps.later.result.host }}"}
+    body["steps"][2]["device"] = "no-such-device"
+    response = admin_api.post("/api/templates/", body, format="json")
+    assert response.status_code == 400
+    errors = response.json()["steps"]
+    assert "device" in errors["2"], errors
+    body["steps"][2]["device"] = devices[2].name
+    errors = admin_api.post("/api/templates/", body, format="json").json()["steps"]
+    assert "'later' is not an earlier step" in errors["1"]["args"][0]
+    assert set(errors) == {"1"}
+
+
+def test_read_only_user_can_read_but_not_write_and_missing_is_404(admin_api, reader_api):
+    device = DeviceFactory()
+    assert reader_api.get("/api/templates/").status_code == 200
+    assert reader_api.get("/api/devices/").status_code == 200
+    denied = reader_api.post(
+        "/api/templates/",
+        {"name": "x", "steps": [{"position": 0, "device": device.name, "action": "a"}]},
+        format="json",
+    )
+    assert denied.status_code == 403
+    assert reader_api.post("/api/devices/", {"name": "new-1"}, format="json").status_code == 403
+    assert reader_api.get("/api/templates/nope/").status_code == 404
+    assert APIClient().get("/api/devices/").status_code in (401, 403)
+
+
+def test_devices_crud_filters_and_lock_state(admin_api):
+    created = admin_api.post(
+        "/api/devices/", {"name": "pump-7", "labels": {"site": "berlin", "kind": "pump"}}, format="json"
+    )
+    assert created.status_code == 201, created.content
+    assert admin_api.post("/api/devices/", {"name": "bad/name"}, format="json").status_code == 400
+    DeviceFactory(labels={"site": "paris"})
+    names = [d["name"] for d in admin_api.get("/api/devices/?label=site=berlin").json()["results"]]
+    assert names == ["pump-7"]
+    assert admin_api.get("/api/devices/?label=site__x=1").status_code == 400
+
+    from devices.locks import lock_epoch_start
+
+    lock_epoch_start()
+    grant = device_lock_acquire("pump-7", holder="test:1", priority=5, lease_seconds=30)
+    lock = admin_api.get("/api/devices/pump-7/lock/").json()
+    assert (lock["holder"], lock["fence"]) == ("test:1", grant.fence)
+    device_lock_release("pump-7", holder="test:1", fence=grant.fence)
+
+
+def test_openapi_schema_is_served(admin_api):
+    response = admin_api.get("/api/schema/?format=json")
+    assert response.status_code == 200
+    paths = response.json()["paths"]
+    assert {"/api/runs/", "/api/templates/", "/api/devices/{name}/lock/"} <= set(paths)
+    assert admin_api.get("/api/docs/").status_code == 200
