@@ -97,9 +97,9 @@ def test_expired_lease_is_listed_once_and_extend_needs_the_current_fence(device)
     grant = acquire(device, "a:1", lease=0.05)
     assert device_lock_extend(device, holder="a:1", fence=grant.fence + 1, lease_seconds=LEASE) is False
     time.sleep(0.1)
-    expired = dict(device_lock_expired(limit=100, claim_seconds=30))
+    expired = dict(device_lock_expired(limit=100_000, claim_seconds=30))
     assert expired[device] == grant
-    assert device not in dict(device_lock_expired(limit=100, claim_seconds=30))
+    assert device not in dict(device_lock_expired(limit=100_000, claim_seconds=30))
     assert device_lock_extend(device, holder="a:1", fence=grant.fence, lease_seconds=LEASE) is True
 
 
