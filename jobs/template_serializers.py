@@ -6,33 +6,11 @@ from rest_framework import serializers
 from devices.models import Device, DeviceGroup
 
 from .models import JobStep, JobTemplate
+from .services import PLAN_FIELDS
 from .validation import template_errors
 
-STEP_FIELDS = [
-    "position",
-    "name",
-    "kind",
-    "device",
-    "device_param",
-    "group",
-    "labels",
-    "action",
-    "args",
-    "delay_seconds",
-    "timeout_seconds",
-    "ack_timeout_seconds",
-    "queue_timeout_seconds",
-    "max_attempts",
-    "backoff_seconds",
-    "on_failure",
-    "compensation_action",
-    "compensation_args",
-    "rollout_per_minute",
-    "max_in_flight",
-    "abort_failure_percent",
-    "abort_min_devices",
-    "success_percent",
-]
+# The plan snapshot's fields plus the two targets it stores by name.
+STEP_FIELDS = ["device", "group", *PLAN_FIELDS]
 
 
 class JobStepSerializer(serializers.ModelSerializer):
