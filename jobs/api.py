@@ -1,6 +1,7 @@
 """REST endpoints for runs: start one (the trigger) and read where it stands."""
 
 from django.db.models import Prefetch
+from django.utils.dateparse import parse_datetime
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -8,10 +9,31 @@ from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
 from .cancel import run_cancel
-from .models import JobRun, JobStep, JobTemplate, StepRun
+from .models import JobRun, JobStep, JobTemplate, RunStatus, StepRun
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start, run_start_each
 from .template_serializers import JobTemplateSerializer
+
+
+def runs_filter(queryset, params):
+    """?status=running&status=queued  ?template=NAME  ?device=NAME  ?since=ISO  ?until=ISO"""
+    statuses = params.getlist("status")
+    unknown = set(statuses) - set(RunStatus.values)
+    if unknown:
+        raise ValidationError({"status": [f"unknown status {sorted(unknown)}; one of {RunStatus.values}"]})
+    if statuses:
+        queryset = queryset.filter(status__in=statuses)
+    if params.get("template"):
+        queryset = queryset.filter(template__name=params["template"])
+    if params.get("device"):
+        queryset = queryset.filter(step_runs__device__name=params["device"]).distinct()
+    for name, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
+        if params.get(name):
+            when = parse_datetime(params[name])
+            if when is None:
+                raise ValidationError({name: ["use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z"]})
+            queryset = queryset.filter(**{lookup: when})
+    return queryset
 
 
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -34,6 +56,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         queryset = super().get_queryset()
         if self.action == "retrieve":
             queryset = queryset.prefetch_related("events")
+        if self.action == "list":
+            queryset = runs_filter(queryset, self.request.query_params)
         return queryset
 
     def create(self, request, *args, **kwargs):

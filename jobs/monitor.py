@@ -15,7 +15,7 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import F, Max
+from django.db.models import Exists, F, Max, OuterRef
 from django.utils import timezone
 
 from devices.locks import (
@@ -30,7 +30,7 @@ from iotqueue.redis_conn import redis_connection, redis_key
 from .deadlines import Deadline, deadlines_claim, deadlines_set
 from .engine import HOLDER_KIND, lease_seconds, lock_pass_on, step_acquire, step_holder, step_spec
 from .events import event_record
-from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
+from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .outcomes import attempt_end, run_continue
 from .presence import step_resume
 from .rollback import compensation_next
@@ -140,6 +140,16 @@ def reconcile() -> int:
     )
     for step_run in waiting:
         step_resume(step_run=step_run, quiet=True)
+    # Runs whose cursor moved but whose next step row was never created (the worker died in
+    # between): starting the step at the cursor again is idempotent.
+    row_at_cursor = StepRun.objects.filter(run=OuterRef("pk"), phase=Phase.FORWARD, index=OuterRef("cursor"))
+    cursorless = (
+        JobRun.objects.filter(status=RunStatus.RUNNING, started_at__lt=now - grace)
+        .filter(~Exists(row_at_cursor))
+        .values_list("pk", flat=True)[:CLAIM_BATCH]
+    )
+    for run_id in cursorless:
+        run_advance_task.delay(str(run_id))
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
     if overdue or unstarted or moved:

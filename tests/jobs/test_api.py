@@ -140,3 +140,35 @@ def test_openapi_schema_is_served(admin_api):
     paths = response.json()["paths"]
     assert {"/api/runs/", "/api/templates/", "/api/devices/{name}/lock/"} <= set(paths)
     assert admin_api.get("/api/docs/").status_code == 200
+
+
+def test_runs_list_filters_by_status_template_device_and_time(admin_api):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import JobRun, RunStatus, StepRun
+    from jobs.services import template_plan
+    from tests.factories import template_with_steps
+
+    lamp, cam = DeviceFactory(), DeviceFactory()
+    morning = template_with_steps((lamp, "on", {}))
+    other = template_with_steps((cam, "snap", {}))
+    done = JobRun.objects.create(template=morning, plan=template_plan(morning), status=RunStatus.SUCCEEDED)
+    StepRun.objects.create(run=done, index=0, device=lamp, action="on", status="succeeded")
+    failed = JobRun.objects.create(template=other, plan=template_plan(other), status=RunStatus.FAILED)
+    StepRun.objects.create(run=failed, index=0, device=cam, action="snap", status="failed")
+
+    def ids(query: str) -> set[str]:
+        response = admin_api.get(f"/api/runs/?{query}")
+        assert response.status_code == 200, response.content
+        return {r["id"] for r in response.json()["results"]}
+
+    assert ids("status=succeeded") == {str(done.pk)}
+    assert ids("status=succeeded&status=failed") == {str(done.pk), str(failed.pk)}
+    assert ids(f"template={other.name}") == {str(failed.pk)}
+    assert ids(f"device={lamp.name}") == {str(done.pk)}
+    soon = (timezone.now() + timedelta(minutes=1)).isoformat().replace("+00:00", "Z")
+    assert ids(f"since={soon}") == set()
+    assert admin_api.get("/api/runs/?status=bogus").status_code == 400
+    assert admin_api.get("/api/runs/?since=yesterday").status_code == 400

@@ -255,11 +255,29 @@ def test_runs_left_behind_by_lost_tasks_are_moved_on_by_the_sweep(stack, simulat
         attempt=1,
         finished_at=long_ago,
     )
+    # ... and one that moved its cursor but died before creating the next step's row
+    moved = JobRun.objects.create(
+        template=template,
+        plan=template_plan(template),
+        status=RunStatus.RUNNING,
+        started_at=long_ago,
+        cursor=1,
+    )
+    StepRun.objects.create(
+        run=moved,
+        index=0,
+        device=device,
+        action="a",
+        status=StepStatus.SUCCEEDED,
+        attempt=1,
+        finished_at=long_ago,
+    )
 
     # then the monitor's database sweep finishes both
     assert wait_for(lambda: finished(unstarted), what="unstarted run").status == RunStatus.SUCCEEDED
     assert wait_for(lambda: finished(stalled), what="stalled run").status == RunStatus.SUCCEEDED
     assert step_of(stalled, 1).status == StepStatus.SUCCEEDED
+    assert wait_for(lambda: finished(moved), what="run whose next row was lost").status == RunStatus.SUCCEEDED
 
 
 def test_legacy_device_with_fixed_topics_and_no_presence(stack, simulator):
