@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,13 +40,7 @@ class TimedDevice(SimulatedDevice):
 
 
 class TimedSimulator(Simulator):
-    """A Simulator whose devices are TimedDevices with Nagle's algorithm off.
-
-    paho does not set TCP_NODELAY. A device that answers at once writes ack and done
-    back to back; Nagle then holds done until the broker's delayed ACK, ~40 ms on Linux,
-    which is an artefact of zero device time, not the system's overhead. (Real devices
-    send done long after ack.) The server side's paho clients are measured as they are.
-    """
+    """A Simulator whose devices are TimedDevices (TCP_NODELAY comes from client_create)."""
 
     def __init__(self, devices: dict[str, DeviceBehaviour], *, url: str, seed: int) -> None:
         super().__init__(devices, url=url, seed=seed)
@@ -56,13 +49,6 @@ class TimedSimulator(Simulator):
             name: TimedDevice(name, behaviour, timers=self._timers, rng=rng, url=url)
             for name, behaviour in devices.items()
         }
-
-    def start(self, wait_connected: float = 10.0) -> None:
-        super().start(wait_connected)
-        for device in self.devices.values():
-            sock = device._client.socket() if device._client is not None else None
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,6 @@ def step_reply_task(device: str, reply: dict) -> None:
     outcomes.step_reply(device=device, reply=Reply(**reply))
 
 
-@shared_task(name="jobs.step_deadline")
-def step_deadline_task(kind: str, step_run_id: int, attempt: int) -> None:
-    outcomes.step_deadline(deadline=Deadline(kind, step_run_id, attempt))
-
-
 @shared_task(name="jobs.step_deadlines")
 def step_deadlines_task(members: list[str]) -> None:
     """A chunk of due deadlines; one failing does not stop the others."""
