@@ -2,6 +2,7 @@
 
 from django.db.models import Prefetch
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -10,6 +11,7 @@ from rest_framework.response import Response
 
 from .cancel import run_cancel
 from .models import JobRun, JobStep, JobTemplate, RunStatus, StepRun
+from .retry import RetryError, run_retry
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start, run_start_each
 from .template_serializers import JobTemplateSerializer
@@ -78,6 +80,10 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body = RunSerializer(run, context={"request": request}).data
         return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
+    @extend_schema(
+        request=None,
+        responses={200: RunSerializer, 409: OpenApiResponse(description="The run has already ended.")},
+    )
     @action(detail=True, methods=["post"], permission_classes=[IsAuthenticated])
     def cancel(self, request, pk=None):
         """Cancel a pending or running run (409 when it has already ended)."""
@@ -88,6 +94,29 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             return Response({"detail": f"run is already {run.status}"}, status=status.HTTP_409_CONFLICT)
         run.refresh_from_db()
         return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(
+        request=None,
+        responses={201: RunSerializer, 409: OpenApiResponse(description="The run is not retryable.")},
+    )
+    @action(detail=True, methods=["post"], permission_classes=[IsAuthenticated])
+    def retry(self, request, pk=None):
+        """Start a new run from the step this failed, timed-out or canceled run stopped on.
+
+        The steps before it are carried over with their results (not re-sent); a fan-out
+        step re-runs only its devices that did not succeed. 409 when the run is not
+        retryable (active, succeeded, rolled back, or already retried).
+        """
+        run = self.get_object()
+        if not request.user.has_perm("jobs.add_jobrun"):
+            self.permission_denied(request, message="You may not start runs.")
+        try:
+            retry = run_retry(run=run, by=request.user.username, trigger="rest")
+        except RetryError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(
+            RunSerializer(retry, context={"request": request}).data, status=status.HTTP_201_CREATED
+        )
 
 
 class TemplateViewSet(viewsets.ModelViewSet):

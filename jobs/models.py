@@ -178,6 +178,15 @@ class JobRun(models.Model):
     triggered_by = models.CharField(max_length=150, blank=True)
     priority = models.SmallIntegerField(default=5, validators=[MinValueValidator(0), MaxValueValidator(9)])
     idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
+    retry_of = models.OneToOneField(
+        "self",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        editable=False,
+        related_name="retried_as",
+        help_text="The failed run this run retries from its failed step.",
+    )
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)

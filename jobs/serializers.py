@@ -63,6 +63,7 @@ class RunSerializer(serializers.ModelSerializer):
     template = serializers.CharField(source="template.name")
     url = serializers.HyperlinkedIdentityField(view_name="run-detail")
     steps = StepRunSerializer(source="step_runs", many=True, read_only=True)
+    retry_of = serializers.PrimaryKeyRelatedField(read_only=True, help_text="The run this one retries.")
 
     class Meta:
         model = JobRun
@@ -77,6 +78,7 @@ class RunSerializer(serializers.ModelSerializer):
             "trigger",
             "triggered_by",
             "idempotency_key",
+            "retry_of",
             "error",
             "created_at",
             "started_at",
