@@ -172,3 +172,96 @@ def test_runs_list_filters_by_status_template_device_and_time(admin_api):
     assert ids(f"since={soon}") == set()
     assert admin_api.get("/api/runs/?status=bogus").status_code == 400
     assert admin_api.get("/api/runs/?since=yesterday").status_code == 400
+
+
+def test_a_user_without_view_permission_reads_nothing():
+    nobody = APIClient()
+    nobody.force_authenticate(User.objects.create_user("nobody"))
+    for path in ("/api/runs/", "/api/templates/", "/api/devices/", "/api/groups/"):
+        assert nobody.get(path).status_code == 403, path
+
+
+def test_token_is_issued_for_valid_credentials_only():
+    User.objects.create_user("operator", password="s3cret-pass")
+    issued = APIClient().post("/api/token/", {"username": "operator", "password": "s3cret-pass"})
+    assert issued.status_code == 200
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {issued.json()['token']}")
+    assert client.get("/api/runs/").status_code == 403  # authenticated, but no view permission
+    wrong = APIClient().post("/api/token/", {"username": "operator", "password": "nope"})
+    assert wrong.status_code == 400 and "non_field_errors" in wrong.json()
+
+
+def test_groups_crud_validation_permission_and_not_found(admin_api, reader_api):
+    created = admin_api.post("/api/groups/", {"name": "pumps", "description": "Berlin pumps"}, format="json")
+    assert created.status_code == 201, created.content
+    assert admin_api.post("/api/groups/", {"name": "pumps"}, format="json").status_code == 400
+    assert "name" in admin_api.post("/api/groups/", {}, format="json").json()
+    device = DeviceFactory()
+    assert (
+        admin_api.patch(f"/api/devices/{device.name}/", {"groups": ["pumps"]}, format="json").status_code
+        == 200
+    )
+    assert admin_api.get(f"/api/devices/{device.name}/").json()["groups"] == ["pumps"]
+    assert reader_api.delete("/api/groups/pumps/").status_code == 403
+    assert admin_api.get("/api/groups/nope/").status_code == 404
+    assert admin_api.delete("/api/groups/pumps/").status_code == 204
+
+
+def test_runs_start_validation_permission_and_not_found(admin_api, reader_api):
+    import uuid
+
+    from jobs.models import JobRun
+    from tests.factories import template_with_steps
+
+    template = template_with_steps((DeviceFactory(), "on", {}))
+    bad = admin_api.post("/api/runs/", {"template": "no-such", "parameters": [1]}, format="json").json()
+    assert set(bad) == {"template", "parameters"}, bad
+    assert admin_api.post(
+        "/api/runs/", {"template": template.name, "priority": 12}, format="json"
+    ).json().keys() == {"priority"}
+    assert admin_api.post(
+        "/api/runs/", {"template": template.name, "for_each": {"site": "x"}}, format="json"
+    ).json().keys() == {"for_each"}
+    denied = reader_api.post("/api/runs/", {"template": template.name}, format="json")
+    assert denied.status_code == 403 and not JobRun.objects.exists()
+
+    started = admin_api.post(
+        "/api/runs/", {"template": template.name, "parameters": {"site": "berlin"}}, format="json"
+    )
+    assert started.status_code == 201, started.content
+    run_id = started.json()["id"]
+    detail = reader_api.get(f"/api/runs/{run_id}/").json()
+    assert (detail["template"], detail["parameters"], detail["events"][0]["kind"]) == (
+        template.name,
+        {"site": "berlin"},
+        "run.created",
+    )
+    assert admin_api.get(f"/api/runs/{uuid.uuid4()}/").status_code == 404
+    assert admin_api.get("/api/runs/not-a-uuid/").status_code == 404
+
+
+def test_cancel_needs_permission_and_conflicts_once_ended(admin_api, reader_api):
+    import uuid
+
+    from jobs.models import JobRun, RunStatus
+    from jobs.services import template_plan
+    from tests.factories import template_with_steps
+
+    template = template_with_steps((DeviceFactory(), "on", {}))
+    run = JobRun.objects.create(template=template, plan=template_plan(template))
+    assert reader_api.post(f"/api/runs/{run.pk}/cancel/").status_code == 403
+    canceled = admin_api.post(f"/api/runs/{run.pk}/cancel/")
+    assert canceled.status_code == 200 and canceled.json()["status"] == RunStatus.CANCELED
+    again = admin_api.post(f"/api/runs/{run.pk}/cancel/")
+    assert again.status_code == 409 and "already canceled" in again.json()["detail"]
+    assert admin_api.post(f"/api/runs/{uuid.uuid4()}/cancel/").status_code == 404
+
+
+def test_device_lock_of_a_missing_device_is_404_and_lists_are_paginated(admin_api):
+    assert admin_api.get("/api/devices/nope/lock/").status_code == 404
+    for _ in range(3):
+        DeviceFactory()
+    page = admin_api.get("/api/devices/?page_size=2").json()
+    assert page["count"] == 3 and len(page["results"]) == 2 and "page=2" in page["next"]
+    assert admin_api.get("/api/devices/?page=99").status_code == 404
