@@ -1,0 +1,405 @@
+"""Plain-text views of runs for the management commands, and following a run live.
+
+Following only reads the database (the run and step rows are the truth about where a run
+stands), so any number of terminals can watch a run, and stopping one never touches it.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import shutil
+import time
+from collections import Counter
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, connection
+from django.db.models import Prefetch
+from django.utils import timezone
+
+from .models import (
+    STEP_IN_FLIGHT,
+    STEP_TERMINAL,
+    JobRun,
+    Phase,
+    RunEvent,
+    RunStatus,
+    StepKind,
+    StepRun,
+    StepStatus,
+)
+
+# How often following re-reads the run. A healthy device answers within tens of
+# milliseconds, so some states flash past unseen; a quarter second still shows a slow
+# device's progress as it comes, for two or three small queries per tick.
+POLL_SECONDS = 0.25
+BAR_WIDTH = 10
+# Shortest run id prefix accepted: with fewer hex digits nearly every prefix is ambiguous.
+RUN_PREFIX_MIN = 4
+# Exit statuses of --wait / --follow besides 0 (the run succeeded).
+EXIT_RUN_UNSUCCESSFUL = 1
+EXIT_STILL_RUNNING = 2
+EXIT_INTERRUPTED = 130  # the shell's convention for "ended by Ctrl-C" (128 + SIGINT)
+# ANSI: move the cursor to the start of the line N lines up; erase the whole line.
+CURSOR_UP = "\x1b[{}F"
+ERASE_LINE = "\x1b[2K"
+
+
+class RunNotFound(LookupError):
+    """No run, or more than one, matches the id given."""
+
+
+class FollowTimeout(Exception):
+    """The run had not ended when following gave up; `run` is how it stood."""
+
+    def __init__(self, run: JobRun) -> None:
+        super().__init__(f"run {run_short_id(run)} is still {run.status}")
+        self.run = run
+
+
+class Output(Protocol):
+    def write(self, msg: str = "", style_func: Any = None, ending: str | None = None) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def operator_name() -> str:
+    """Who is at the keyboard, for the audit trail: the OS user, or "cli" when unknown."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in a bare container: getpass raises OSError or KeyError
+        return "cli"
+
+
+def run_short_id(run: JobRun) -> str:
+    return str(run.pk)[:8]
+
+
+def run_find(ident: str) -> JobRun:
+    """The run whose id is `ident` or starts with it (e.g. the 8 characters shown in lists)."""
+    text = ident.strip().lower()
+    digits = text.replace("-", "")
+    if len(digits) < RUN_PREFIX_MIN or any(c not in "0123456789abcdef" for c in digits):
+        raise RunNotFound(
+            f"{ident!r} is not a run id (give the id or at least its first {RUN_PREFIX_MIN} characters)"
+        )
+    matches = list(
+        JobRun.objects.select_related("template").filter(id__startswith=text).order_by("-created_at")[:5]
+    )
+    if not matches:
+        raise RunNotFound(f"no run with id {ident!r}")
+    if len(matches) > 1:
+        listed = ", ".join(f"{m.pk} ({m.template.name})" for m in matches)
+        raise RunNotFound(f"{ident!r} matches several runs: {listed}; give more characters")
+    return matches[0]
+
+
+def run_load(run_id: Any) -> JobRun:
+    """The run read afresh, with its template and step rows (devices joined)."""
+    rows = StepRun.objects.select_related("device").order_by("index", "device__name", "pk")
+    return (
+        JobRun.objects.select_related("template")
+        .prefetch_related(Prefetch("step_runs", queryset=rows))
+        .get(pk=run_id)
+    )
+
+
+# --- formatting -------------------------------------------------------------------------
+
+
+def progress_bar(percent: int | None) -> str:
+    """`[###-------]  30%`; an empty bar when there is nothing to measure yet."""
+    if percent is None:
+        return f"[{' ' * BAR_WIDTH}]     "
+    filled = round(BAR_WIDTH * percent / 100)
+    return f"[{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {percent:>3}%"
+
+
+def duration_text(delta: timedelta) -> str:
+    seconds = max(delta.total_seconds(), 0.0)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def time_text(when: datetime | None, *, with_date: bool = False) -> str:
+    """A time in TIME_ZONE (the zone the columns are labelled with)."""
+    if when is None:
+        return "-"
+    return timezone.localtime(when).strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S")
+
+
+def run_duration(run: JobRun) -> str:
+    start = run.started_at or run.created_at
+    return duration_text((run.finished_at or timezone.now()) - start)
+
+
+def run_headline(run: JobRun) -> str:
+    """`Morning 0a1b2c3d  running  step 2/3`: no clock in it, so it changes only with the run."""
+    return f"{run.template.name} {run_short_id(run)}  {run.status}  step {run_position(run)}"
+
+
+def run_position(run: JobRun) -> str:
+    """`2/3`: the step the run is on, or stopped on (the cursor moves past the last on success)."""
+    return f"{min(run.cursor + 1, len(run.plan))}/{len(run.plan)}"
+
+
+def _step_target(spec: dict) -> str:
+    if spec.get("device"):
+        return spec["device"]
+    if spec.get("device_param"):
+        return f"{{{{ params.{spec['device_param']} }}}}"
+    if spec.get("group"):
+        return f"group {spec['group']}"
+    if spec.get("labels"):
+        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+    return "-"
+
+
+def _step_action(spec: dict) -> str:
+    if spec.get("kind") == StepKind.DELAY:
+        return f"delay {spec.get('delay_seconds', 0):g}s"
+    if spec.get("kind") == StepKind.WAIT_ONLINE:
+        return "wait online"
+    return spec.get("action") or "-"
+
+
+def _row_percent(row: StepRun) -> int | None:
+    if row.progress is not None:
+        return row.progress
+    if row.status in STEP_IN_FLIGHT:
+        return 0
+    return None
+
+
+def _line(label: str, bar: str, status: str, detail: str, what: str, note: str = "") -> str:
+    """Fixed-width columns first, names last: a narrow terminal cuts names, not the bar."""
+    line = f"  {label:>7}  {bar}  {status:<11} {detail:<7}  {what}"
+    return f"{line}: {note}" if note else line
+
+
+def _row_line(label: str, row: StepRun, spec: dict) -> str:
+    """A step on one device: its status, attempt, progress and, once it failed, why."""
+    tries = f"try {row.attempt}/{spec.get('max_attempts', 1)}" if row.attempt else ""
+    note = row.error[:80] if row.is_terminal and row.error else ""
+    what = f"{row.device_name or _step_target(spec)} {_step_action(spec)}"
+    return _line(label, progress_bar(_row_percent(row)), row.status, tries, what, note)
+
+
+def _fanout_line(label: str, rows: list[StepRun], spec: dict) -> str:
+    """A step sent to many devices: how many have finished, and the status breakdown."""
+    counts = Counter(row.status for row in rows)
+    finished = sum(n for status, n in counts.items() if status in STEP_TERMINAL)
+    if finished == len(rows):
+        overall = "succeeded" if counts.keys() == {StepStatus.SUCCEEDED} else "done"
+    else:
+        overall = "pending" if counts[StepStatus.PENDING] == len(rows) else "running"
+    breakdown = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
+    what = f"{_step_target(spec)} {_step_action(spec)}"
+    return _line(
+        label, progress_bar(finished * 100 // len(rows)), overall, f"{finished}/{len(rows)}", what, breakdown
+    )
+
+
+def step_lines(run: JobRun) -> dict[str, str]:
+    """One line per step of the run's plan, then one per compensation (rollback) row; keyed
+    by what the line is about, so a follower can tell which line changed."""
+    forward: dict[int, list[StepRun]] = {}
+    compensations = []
+    for row in run.step_runs.all():
+        if row.phase == Phase.FORWARD:
+            forward.setdefault(row.index, []).append(row)
+        else:
+            compensations.append(row)
+    lines = {}
+    for index, spec in enumerate(run.plan):
+        rows, label = forward.get(index, []), f"#{index}"
+        if spec.get("group") or spec.get("labels"):
+            lines[label] = _fanout_line(label, rows, spec) if rows else _not_started_line(run, label, spec)
+        elif rows:
+            lines.update((f"{label}/{row.pk}", _row_line(label, row, spec)) for row in rows)
+        else:
+            lines[label] = _not_started_line(run, label, spec)
+    for row in sorted(compensations, key=lambda r: r.pk):
+        lines[f"undo/{row.pk}"] = _row_line(f"undo #{row.index}", row, {"action": row.action})
+    return lines
+
+
+def _not_started_line(run: JobRun, label: str, spec: dict) -> str:
+    status = "not run" if run.is_terminal else "pending"
+    return _line(label, progress_bar(None), status, "", f"{_step_target(spec)} {_step_action(spec)}")
+
+
+def event_line(event: RunEvent) -> str:
+    when = timezone.localtime(event.created_at).strftime("%H:%M:%S.%f")[:-3]
+    return f"  {when}  {event.kind:<24} {event.device or '-':<20} {event.message}"
+
+
+def timeline_lines(run: JobRun, *, limit: int) -> list[str]:
+    """The run's events, oldest first; with a limit, the latest `limit` and a note of the rest."""
+    events = run.events.order_by("-id")
+    total = events.count()
+    shown = list(events[:limit] if limit else events)[::-1]
+    lines = [event_line(event) for event in shown]
+    if total > len(shown):
+        lines.insert(0, f"  ... {total - len(shown)} earlier events not shown (--events 0 shows all)")
+    return lines
+
+
+def run_detail_lines(run: JobRun) -> list[str]:
+    """The header block of `run_show`: what the run is, who started it, how it ended."""
+    zone = timezone.get_current_timezone_name()
+    lines = [
+        f"run         {run.pk}  ({run.template.name})",
+        f"status      {run.status}" + (f": {run.error}" if run.error else ""),
+        f"trigger     {run.trigger} by {run.triggered_by or 'anonymous'}, priority {run.priority}",
+        f"created     {time_text(run.created_at, with_date=True)} {zone}"
+        f"   started {time_text(run.started_at)}   finished {time_text(run.finished_at)}"
+        f"   took {run_duration(run)}",
+        f"parameters  {json.dumps(run.parameters)}",
+    ]
+    if run.retry_of_id:
+        lines.append(f"retry of    {run.retry_of_id}")
+    if run.idempotency_key:
+        lines.append(f"idem. key   {run.idempotency_key}")
+    return lines
+
+
+RUN_TABLE_HEADER = "{:<8}  {:<20} {:<12} {:>5}  {:<20} {:<19}  {:>7}  {}"
+
+
+def run_table_lines(runs: list[JobRun]) -> list[str]:
+    zone = timezone.get_current_timezone_name()
+    lines = [
+        RUN_TABLE_HEADER.format(
+            "ID", "TEMPLATE", "STATUS", "STEP", "TRIGGER", f"CREATED ({zone})", "TOOK", "ERROR"
+        )
+    ]
+    for run in runs:
+        took = run_duration(run) if run.started_at else "-"
+        lines.append(
+            RUN_TABLE_HEADER.format(
+                run_short_id(run),
+                run.template.name[:20],
+                run.status,
+                run_position(run),
+                f"{run.trigger} {run.triggered_by}"[:20],
+                time_text(run.created_at, with_date=True),
+                took,
+                run.error[:60],
+            ).rstrip()
+        )
+    return lines
+
+
+# --- following --------------------------------------------------------------------------
+
+
+class LogView:
+    """For logs and pipes: prints a timestamped line whenever the run or a step changes."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self.shown: dict[str, str] = {}
+
+    def show(self, run: JobRun) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        for key, line in {"run": run_headline(run), **step_lines(run)}.items():
+            if self.shown.get(key) != line:
+                self.shown[key] = line
+                self.out.write(f"{stamp}  {line.strip() if key == 'run' else line}")
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        self.out.write(f"{time.strftime('%H:%M:%S')}  {text}")
+
+
+class TerminalView:
+    """For a terminal: redraws the run's block in place (cursor up, erase, rewrite)."""
+
+    def __init__(self, out: Output) -> None:
+        self.out = out
+        self.drawn = 0
+        self.width = shutil.get_terminal_size().columns - 1
+
+    def show(self, run: JobRun) -> None:
+        last = run.events.order_by("-id").first()
+        lines = [
+            f"{run_headline(run)}  {run_duration(run)}",
+            *step_lines(run).values(),
+            f"  last event: {event_line(last).strip()}" if last else "",
+        ]
+        lines += [""] * (self.drawn - len(lines))  # never leave a stale line of a longer frame
+        # Lines longer than the terminal would wrap and spoil the count of lines to go up.
+        frame = [ERASE_LINE + line[: self.width] for line in lines]
+        if self.drawn:
+            self.out.write(CURSOR_UP.format(self.drawn), ending="")
+        self.out.write("\n".join(frame))
+        self.drawn = len(frame)
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        self.out.write(text)
+        self.drawn = 0
+
+
+def run_follow(run: JobRun, *, view: LogView | TerminalView, timeout: float | None = None) -> JobRun:
+    """Show the run until it ends and return it; FollowTimeout after `timeout` seconds.
+
+    A database that stops answering is reported once and retried every tick, so a restart
+    of the database does not end the watch. Ctrl-C raises KeyboardInterrupt here and
+    leaves the run alone.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    database_down = False
+    while True:
+        try:
+            run = run_load(run.pk)
+        except DatabaseError as exc:
+            if not database_down:
+                view.note(f"database unavailable ({exc}); still trying")
+            database_down = True
+            connection.close()  # a broken connection is not reused; the next tick opens a new one
+        else:
+            database_down = False
+            view.show(run)
+            if run.is_terminal:
+                return run
+        if deadline is not None and time.monotonic() > deadline:
+            raise FollowTimeout(run)
+        time.sleep(POLL_SECONDS)
+
+
+def run_wait(command: BaseCommand, run: JobRun, *, timeout: float | None = None) -> None:
+    """Follow `run` on the command's stdout; return if it succeeded, else raise CommandError.
+
+    Exit status 1 when it ended otherwise, 2 when it is still going after `timeout`,
+    130 on Ctrl-C (which stops following only: the run goes on).
+    """
+    out = command.stdout
+    view = TerminalView(out) if out.isatty() else LogView(out)
+    short = run_short_id(run)
+    try:
+        run = run_follow(run, view=view, timeout=timeout)
+    except FollowTimeout as exc:
+        raise CommandError(
+            f"run {short} is still {exc.run.status} after {timeout:g}s; it goes on "
+            f"(manage.py run_show {short} --follow to watch it again)",
+            returncode=EXIT_STILL_RUNNING,
+        ) from None
+    except KeyboardInterrupt:
+        raise CommandError(
+            f"stopped following; run {short} was NOT canceled and goes on "
+            f"(manage.py run_show {short} --follow to watch it, manage.py run_cancel {short} to cancel it)",
+            returncode=EXIT_INTERRUPTED,
+        ) from None
+    if run.status != RunStatus.SUCCEEDED:
+        reason = f": {run.error}" if run.error else ""
+        raise CommandError(
+            f"run {short} {run.status} after {run_duration(run)}{reason}", returncode=EXIT_RUN_UNSUCCESSFUL
+        )
+    out.write(f"run {short} succeeded in {run_duration(run)}", style_func=command.style.SUCCESS)
