@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             _children_start(supervisor, web_port)
             print(f"\n  admin   http://127.0.0.1:{web_port}/admin/   (login admin / admin)")
             print(f"  API     http://127.0.0.1:{web_port}/api/runs/")
-            print(f"  logs    {supervisor.log_dir}\n")
+            print(f"  logs    {supervisor.log_dir}")
+            # manage.py commands in another shell (run_start --wait, runs, locks) need the
+            # same servers; the embedded ones listen on ports chosen at start.
+            print(f"  CLI     export REDIS_URL={os.environ['REDIS_URL']} MQTT_URL={os.environ['MQTT_URL']}\n")
             try:
                 call_command("demo", runs=args.runs, follow=True, stdout=sys.stdout)
                 demo_ok = True
