@@ -137,21 +137,57 @@ def device_lock_dequeue(device: str, *, holder: str) -> bool:
 
 def device_lock_state(device: str) -> LockState:
     """Who holds the device's lock, since when, until when, and who waits (in order)."""
-    k = _keys(device)
+    return device_lock_states([device])[device]
+
+
+def device_lock_states(devices: list[str]) -> dict[str, LockState]:
+    """`device_lock_state` for many devices in one Redis round trip (a page of a device list).
+
+    Not atomic across devices: each device's state is read as it is at that moment.
+    """
+    with redis_connection().pipeline(transaction=False) as pipe:
+        for device in devices:
+            k = _keys(device)
+            pipe.hgetall(k["lock"])
+            pipe.zscore(k["leases"], device)
+            pipe.zrange(k["queue"], 0, -1)
+        replies = pipe.execute()
+    states = {}
+    for i, device in enumerate(devices):
+        lock, lease, queue = replies[3 * i : 3 * i + 3]
+        states[device] = LockState(
+            device=device,
+            holder=lock.get("holder"),
+            fence=int(lock["fence"]) if "fence" in lock else None,
+            since_ms=int(lock["since"]) if "since" in lock else None,
+            lease_until_ms=int(lease) if lease is not None else None,
+            queue=list(queue),
+        )
+    return states
+
+
+# Keys SCAN returns per round trip: large enough that 10,000 devices take a few dozen trips.
+QUEUE_SCAN_BATCH = 1000
+
+
+def device_queue_depths() -> dict[str, int]:
+    """How many holders wait for each device that has any waiting (for /metrics).
+
+    Redis deletes an empty sorted set, so only devices with waiters have a queue key: the
+    keys are found with SCAN (Redis stays responsive, unlike KEYS) and counted in one
+    pipeline. Costs O(keys in the database) per call: for a scrape every few seconds,
+    never for the engine's hot path.
+    """
     conn = redis_connection()
+    head = redis_key("queue", "{")
+    # The key prefix is configuration: escape glob characters so it matches only itself.
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*}"
+    keys = sorted(set(conn.scan_iter(match=pattern, count=QUEUE_SCAN_BATCH)))
     with conn.pipeline(transaction=False) as pipe:
-        pipe.hgetall(k["lock"])
-        pipe.zscore(k["leases"], device)
-        pipe.zrange(k["queue"], 0, -1)
-        lock, lease, queue = pipe.execute()
-    return LockState(
-        device=device,
-        holder=lock.get("holder"),
-        fence=int(lock["fence"]) if "fence" in lock else None,
-        since_ms=int(lock["since"]) if "since" in lock else None,
-        lease_until_ms=int(lease) if lease is not None else None,
-        queue=list(queue),
-    )
+        for key in keys:
+            pipe.zcard(key)
+        depths = pipe.execute()
+    return {key[len(head) : -1]: depth for key, depth in zip(keys, depths, strict=True) if depth}
 
 
 def device_lock_expired(*, limit: int, claim_seconds: float) -> list[tuple[str, Grant]]:

@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 from django.conf import settings
 from django.db import close_old_connections
 
+from .metrics import BRIDGE_MESSAGES, counter_buffer
 from .mqtt import client_connect, client_create
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Bridge:
         handler = self._handler_for(topic)
         if handler is None:
             self.stats["unrouted"] += 1
+            counter_buffer.add(BRIDGE_MESSAGES, "unrouted")
             return
         close_old_connections()
         try:
@@ -91,6 +93,7 @@ class Bridge:
             self.stats["handled"] += 1
         except Exception:
             self.stats["handler_errors"] += 1
+            counter_buffer.add(BRIDGE_MESSAGES, "handler_error")
             log.exception("bridge: handler for %s failed; message dropped", topic)
 
     def _handler_for(self, topic: str) -> Handler | None:
@@ -127,10 +130,12 @@ class Bridge:
         try:
             while not self._stop.wait(DYNAMIC_REFRESH_SECONDS):
                 self._refresh_safely()
+                counter_buffer.flush()  # message counts of a quiet spell reach /metrics too
         finally:
             self.client.disconnect()
             self.client.loop_stop()
             close_old_connections()
+            counter_buffer.flush()
 
     def _refresh_safely(self) -> None:
         try:

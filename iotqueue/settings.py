@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Runtime files of the dev stack (SQLite database, server logs); never committed.
@@ -184,11 +185,31 @@ IOTQUEUE_MAX_PAYLOAD_BYTES = env.int("IOTQUEUE_MAX_PAYLOAD_BYTES", default=64 * 
 # --- Engine ------------------------------------------------------------------------------
 IOTQUEUE_REDIS_KEY_PREFIX = env("IOTQUEUE_REDIS_KEY_PREFIX", default="iq")
 
+# --- Metrics and logs -------------------------------------------------------------------
+# Set: Prometheus scrapes /metrics with "Authorization: Bearer <token>". Either way, signed-in
+# staff users may open /metrics; nobody else may.
+IOTQUEUE_METRICS_TOKEN = env("IOTQUEUE_METRICS_TOKEN", default="")
+# "text" for people, "json" (one object per line) for log shippers. Timeline events carry
+# event, run_id, step, attempt, device and command_id as separate fields (jobs/events.py).
+IOTQUEUE_LOG_FORMAT = env("IOTQUEUE_LOG_FORMAT", default="text")
+if IOTQUEUE_LOG_FORMAT not in ("text", "json"):
+    raise ImproperlyConfigured(f"IOTQUEUE_LOG_FORMAT must be 'text' or 'json', not {IOTQUEUE_LOG_FORMAT!r}")
+# Celery worker and beat replace the root logger's handlers with their own text format
+# unless told not to: in JSON mode they must keep the handler configured below.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = IOTQUEUE_LOG_FORMAT == "text"
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(levelname)s %(name)s %(message)s",
+            "timestamp": True,  # ISO 8601, UTC
+        },
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": IOTQUEUE_LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
     "loggers": {
         "amqtt": {"level": "WARNING"},

@@ -1,4 +1,4 @@
-"""URL routes: admin, REST API (token or session auth)."""
+"""URL routes: admin, REST API (token or session auth), Prometheus metrics."""
 
 from django.contrib import admin
 from django.urls import include, path
@@ -7,6 +7,7 @@ from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
 from devices.api import DeviceGroupViewSet, DeviceViewSet
+from iotqueue.views import metrics_view
 from jobs.api import RunViewSet, TemplateViewSet
 
 router = DefaultRouter()
@@ -22,4 +23,5 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/docs/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
+    path("metrics", metrics_view, name="metrics"),
 ]

@@ -1,13 +1,45 @@
-"""Writing the run timeline: one RunEvent per transition or dropped message."""
+"""Writing the run timeline: one RunEvent per transition or dropped message.
+
+Every transition passes through `event_record`, so it is also where the transition is
+logged (with run id, step, device and command id as separate fields for JSON logs) and
+counted for /metrics (iotqueue/metrics.py): run and step outcomes, step durations, lock
+waits and dropped replies, sent to Redis in one round trip once the transition commits.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from .models import JobRun, RunEvent, StepRun
+from django.db import transaction
+from django.utils import timezone
+
+from iotqueue.metrics import (
+    BRIDGE_MESSAGES,
+    LOCK_WAIT,
+    RUNS,
+    RUNS_STARTED,
+    STEP_DURATION,
+    STEP_RETRIES,
+    STEPS,
+    MetricsBatch,
+)
+
+from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
 
 log = logging.getLogger("jobs.timeline")
+
+# Statuses that end an attempt that was dispatched: its dispatch -> end is a step duration.
+ATTEMPT_ENDS = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT, StepStatus.RETRYING)
+# Replies the engine (or the bridge) dropped, by the kind they count as on /metrics.
+DROPPED_MESSAGE_KINDS = {
+    "message.dropped": "malformed",
+    "reply.stale": "stale",
+    "reply.unknown": "unknown",
+    "reply.foreign_device": "foreign_device",
+}
+# Shown in the log line's fixed fields, not repeated among its details.
+LOGGED_FIELDS = ("index", "attempt", "command_id")
 
 
 def event_record(
@@ -19,7 +51,7 @@ def event_record(
     message: str = "",
     **data: Any,
 ) -> RunEvent:
-    """Append an event and log it with the run, step, device and command id it concerns."""
+    """Append an event, log it with the run, step, device and command id, count it."""
     if step_run is not None:
         run_id = step_run.run_id
         device = device or step_run.device_name
@@ -29,15 +61,68 @@ def event_record(
             data.setdefault("command_id", step_run.command_id)
     else:
         run_id = run.pk if run is not None else None
-    log.info(
-        "%s run=%s device=%s %s %s",
-        kind,
-        run_id or "-",
-        device or "-",
-        message,
-        data,
-        extra={"run_id": str(run_id or ""), "device": device, "event": kind},
-    )
-    return RunEvent.objects.create(
+    if log.isEnabledFor(logging.INFO):
+        _event_log(kind, run_id, device, message, data)
+    event = RunEvent.objects.create(
         run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data
     )
+    batch = event_metrics(kind, step_run)
+    if batch:
+        # Counted once the transition is committed: a rolled-back one never happened.
+        transaction.on_commit(batch.send)
+    return event
+
+
+def _event_log(kind: str, run_id: Any, device: str, message: str, data: dict[str, Any]) -> None:
+    index, command_id = data.get("index"), data.get("command_id")
+    details = {k: v for k, v in data.items() if k not in LOGGED_FIELDS}
+    log.info(
+        "%s run=%s step=%s device=%s command=%s %s%s",
+        kind,
+        run_id or "-",
+        "-" if index is None else index,
+        device or "-",
+        command_id or "-",
+        message,
+        f" {details}" if details else "",
+        extra={
+            "event": kind,
+            "run_id": str(run_id) if run_id else None,
+            "step": index,
+            "attempt": data.get("attempt"),
+            "device": device or None,
+            "command_id": command_id,
+            "details": details,
+        },
+    )
+
+
+def event_metrics(kind: str, step_run: StepRun | None) -> MetricsBatch:
+    """What an event adds to /metrics (an empty batch for most kinds)."""
+    batch = MetricsBatch()
+    subject, _, name = kind.partition(".")
+    if kind == "run.started":
+        batch.count(RUNS_STARTED)
+    elif subject == "run" and name in RUN_TERMINAL:
+        batch.count(RUNS, name)
+    elif subject == "step":
+        if name in STEP_TERMINAL:
+            batch.count(STEPS, name)
+        elif name == StepStatus.RETRYING:
+            batch.count(STEP_RETRIES)
+        if step_run is not None:
+            _step_timings(batch, name, step_run)
+    elif kind in DROPPED_MESSAGE_KINDS:
+        batch.count(BRIDGE_MESSAGES, DROPPED_MESSAGE_KINDS[kind])
+    return batch
+
+
+def _step_timings(batch: MetricsBatch, name: str, step_run: StepRun) -> None:
+    queued, dispatched = step_run.queued_at, step_run.dispatched_at
+    # dispatched_at before queued_at is an earlier attempt's (the step was queued again).
+    dispatched_now = dispatched is not None and (queued is None or dispatched >= queued)
+    if name == StepStatus.DISPATCHED and dispatched_now and queued is not None:
+        batch.observe(LOCK_WAIT, (dispatched - queued).total_seconds())
+    elif name in ATTEMPT_ENDS and dispatched_now:
+        ended = step_run.finished_at or timezone.now()
+        batch.observe(STEP_DURATION, max(0.0, (ended - dispatched).total_seconds()), name)

@@ -12,6 +12,7 @@ grant (see devices/locks.py, NotReady).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import timedelta
 
 from django.conf import settings
@@ -25,6 +26,7 @@ from devices.locks import (
     lock_epoch_exists,
     lock_epoch_start,
 )
+from iotqueue.metrics import MONITOR_ACTIONS, MetricsBatch
 from iotqueue.redis_conn import redis_connection, redis_key
 
 from .deadlines import Deadline, deadlines_claim, deadlines_set
@@ -59,8 +61,9 @@ def monitor_tick() -> dict[str, int]:
     """Claim what is due and enqueue its handling; returns counts for logs and the bench."""
     from .tasks import lease_reclaim_task, step_deadlines_task
 
+    rebuilt = False
     if not lock_epoch_exists():
-        locks_rebuild()
+        rebuilt = locks_rebuild()
     due = deadlines_claim(limit=CLAIM_BATCH)
     # One task per chunk, not per deadline: enqueueing is most of a tick's cost.
     for start in range(0, len(due), DEADLINES_PER_TASK):
@@ -72,7 +75,19 @@ def monitor_tick() -> dict[str, int]:
     interval = settings.IOTQUEUE_RECONCILE_SECONDS
     if redis_connection().set(redis_key("reconcile"), "1", nx=True, px=int(interval * 1000)):
         swept = reconcile()
+    _actions_count(due, leases=len(expired), swept=swept, rebuilt=rebuilt)
     return {"deadlines": len(due), "leases": len(expired), "swept": swept}
+
+
+def _actions_count(due: list[Deadline], *, leases: int, swept: int, rebuilt: bool) -> None:
+    """Count the tick's work on /metrics (one round trip; a Redis failure only loses it)."""
+    batch = MetricsBatch().count(MONITOR_ACTIONS, "tick")
+    for kind, n in Counter(d.kind for d in due).items():
+        batch.count(MONITOR_ACTIONS, f"deadline_{kind}", amount=n)
+    for action, n in (("lease_reclaimed", leases), ("reconciled", swept), ("locks_rebuilt", int(rebuilt))):
+        if n:
+            batch.count(MONITOR_ACTIONS, action, amount=n)
+    batch.send()
 
 
 def lease_reclaim(*, device: str, holder: str, fence: int) -> None:

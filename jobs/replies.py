@@ -11,6 +11,7 @@ from __future__ import annotations
 from devices import protocol
 from devices.models import Device
 from iotqueue.bridge import Handler
+from iotqueue.metrics import BRIDGE_MESSAGES, counter_buffer
 
 from .events import event_record
 from .outcomes import step_ack_apply
@@ -25,6 +26,7 @@ def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> N
     except protocol.ProtocolError as exc:
         event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
         return
+    counter_buffer.add(BRIDGE_MESSAGES, "accepted")
     if reply.kind != "done" and step_ack_apply(device=device, reply=reply):
         return  # the common ack/progress: applied in one statement, no task
     step_reply_task.delay(device, reply.as_task_payload())
