@@ -3,7 +3,7 @@
 import re
 from dataclasses import asdict
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -22,6 +22,14 @@ class DeviceGroupViewSet(viewsets.ModelViewSet):
     lookup_field = "name"
 
 
+@extend_schema_view(
+    list=extend_schema(
+        parameters=[
+            OpenApiParameter("label", str, many=True, description="KEY=VALUE; repeat to require several."),
+            OpenApiParameter("online", bool, description="Only devices online (true) or offline (false)."),
+        ]
+    )
+)
 class DeviceViewSet(viewsets.ModelViewSet):
     """Devices by name; `GET /api/devices/<name>/lock/` shows holder, fence and wait queue."""
 

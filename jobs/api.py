@@ -2,7 +2,8 @@
 
 from django.db.models import Prefetch
 from django.utils.dateparse import parse_datetime
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -38,6 +39,16 @@ def runs_filter(queryset, params):
     return queryset
 
 
+RUN_LIST_PARAMETERS = [
+    OpenApiParameter("status", str, many=True, enum=RunStatus.values, description="Repeat for several."),
+    OpenApiParameter("template", str, description="Template name."),
+    OpenApiParameter("device", str, description="Runs with a step on this device (by name)."),
+    OpenApiParameter("since", OpenApiTypes.DATETIME, description="Created at or after (ISO 8601)."),
+    OpenApiParameter("until", OpenApiTypes.DATETIME, description="Created before (ISO 8601)."),
+]
+
+
+@extend_schema_view(list=extend_schema(parameters=RUN_LIST_PARAMETERS))
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """`POST /api/runs/` starts a run; `GET /api/runs/<id>/` shows its steps and timeline."""
 
