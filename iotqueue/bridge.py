@@ -41,7 +41,11 @@ def handler_register(topic_filter: str, handler: Handler) -> None:
 
 
 def dynamic_topics_register(provider: TopicProvider) -> None:
-    """`provider()` returns {exact topic: handler}; re-read every DYNAMIC_REFRESH_SECONDS."""
+    """`provider()` returns {topic or filter: handler}; re-read every DYNAMIC_REFRESH_SECONDS.
+
+    Exact topics are looked up directly; filters with + or # are tried only after the
+    static handlers, so they never take a device's replies.
+    """
     if provider not in _providers:
         _providers.append(provider)
 
@@ -58,6 +62,8 @@ class Bridge:
         self.connected = threading.Event()
         self._stop = threading.Event()
         self._dynamic: dict[str, Handler] = {}
+        # The wildcard entries of _dynamic, matched one by one (few: e.g. trigger rules).
+        self._dynamic_filters: list[tuple[str, Handler]] = []
         self._lock = threading.Lock()
 
     def _subscription(self, topic: str) -> str:
@@ -99,9 +105,10 @@ class Bridge:
     def _handler_for(self, topic: str) -> Handler | None:
         with self._lock:
             handler = self._dynamic.get(topic)
+            dynamic_filters = self._dynamic_filters
         if handler is not None:
             return handler
-        for topic_filter, candidate in _handlers:
+        for topic_filter, candidate in (*_handlers, *dynamic_filters):
             if mqtt.topic_matches_sub(topic_filter, topic):
                 return candidate
         return None
@@ -116,6 +123,7 @@ class Bridge:
             added = [t for t in fresh if t not in self._dynamic]
             removed = [t for t in self._dynamic if t not in fresh]
             self._dynamic = fresh
+            self._dynamic_filters = [(t, h) for t, h in fresh.items() if "+" in t or "#" in t]
         if added and self.connected.is_set():
             self.client.subscribe([(self._subscription(t), 1) for t in added])
         if removed and self.connected.is_set():

@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "iotqueue",
     "devices",
     "jobs",
+    "triggers",
 ]
 
 MIDDLEWARE = [

@@ -9,12 +9,15 @@ from rest_framework.routers import DefaultRouter
 from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.views import metrics_view
 from jobs.api import RunViewSet, TemplateViewSet
+from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 
 router = DefaultRouter()
 router.register("runs", RunViewSet, basename="run")
 router.register("templates", TemplateViewSet, basename="template")
 router.register("devices", DeviceViewSet, basename="device")
 router.register("groups", DeviceGroupViewSet, basename="group")
+router.register("schedules", ScheduleViewSet, basename="schedule")
+router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
 
 urlpatterns = [
     path("admin/", admin.site.urls),

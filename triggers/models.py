@@ -1,0 +1,115 @@
+"""Schedules (beat-driven runs) and MQTT trigger rules: what starts a run without a caller."""
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django_celery_beat.models import PeriodicTask
+
+from jobs.models import JobRun, JobTemplate
+
+PRIORITY_VALIDATORS = [MinValueValidator(0), MaxValueValidator(9)]
+
+
+class Overlap(models.TextChoices):
+    SKIP = "skip", "Skip the fire while the previous run is active"
+    QUEUE = "queue", "Start after the previous run ends (at most one waiting)"
+    ALLOW = "allow", "Start regardless (runs may overlap)"
+
+
+class Schedule(models.Model):
+    """A template started by beat, every N seconds or on a crontab in a timezone.
+
+    The schedule owns one django-celery-beat PeriodicTask (`triggers.schedules.schedule_save`
+    creates and updates it); beat fires `triggers.schedule_fire`, which applies the overlap
+    policy and starts the run.
+    """
+
+    name = models.CharField(max_length=128, unique=True)
+    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="schedules")
+    parameters = models.JSONField(default=dict, blank=True)
+    priority = models.SmallIntegerField(
+        null=True, blank=True, validators=PRIORITY_VALIDATORS, help_text="empty: the template's default"
+    )
+    interval_seconds = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="fire every N seconds"
+    )
+    crontab = models.CharField(
+        max_length=200, blank=True, help_text='"minute hour day-of-month month day-of-week", e.g. "0 2 * * *"'
+    )
+    timezone = models.CharField(max_length=64, default="UTC", help_text="of the crontab, e.g. Europe/Berlin")
+    enabled = models.BooleanField(default=True)
+    overlap = models.CharField(max_length=8, choices=Overlap.choices, default=Overlap.SKIP)
+    periodic_task = models.OneToOneField(
+        PeriodicTask, null=True, blank=True, editable=False, on_delete=models.SET_NULL, related_name="+"
+    )
+    # Written by the fire task only (queryset updates, never save()).
+    fire_count = models.PositiveIntegerField(default=0, editable=False)
+    last_fired_at = models.DateTimeField(null=True, blank=True, editable=False)
+    queued_fire = models.PositiveIntegerField(
+        null=True, blank=True, editable=False, help_text="a fire waiting for the active run (overlap=queue)"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def when(self) -> str:
+        """The schedule in words: "every 30 s" or "0 2 * * * Europe/Berlin"."""
+        if self.interval_seconds:
+            return f"every {self.interval_seconds} s"
+        return f"{self.crontab} {self.timezone}" if self.crontab else "-"
+
+
+class ScheduledRun(models.Model):
+    """Which schedule (and which of its fires) started a run; the overlap policy reads it."""
+
+    schedule = models.ForeignKey(Schedule, on_delete=models.CASCADE, related_name="scheduled_runs")
+    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="scheduled_run")
+    fire = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["schedule", "-id"], name="scheduledrun_schedule_id")]
+
+    def __str__(self) -> str:
+        return f"{self.schedule.name} fire {self.fire}"
+
+
+class TriggerRule(models.Model):
+    """An MQTT topic filter that starts a template, with parameters taken from the message.
+
+    `parameters` and `idempotency_key` may reference `{{ topic.N }}` (the N-th topic level,
+    from 0) and `{{ message.path }}` (a field of the JSON object payload); see
+    docs/triggers.md.
+    """
+
+    name = models.CharField(max_length=128, unique=True)
+    topic_filter = models.CharField(
+        max_length=512, help_text="absolute MQTT filter, + and # allowed, e.g. site/+/door/+/opened"
+    )
+    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="trigger_rules")
+    parameters = models.JSONField(
+        default=dict, blank=True, help_text='e.g. {"door": "{{ topic.3 }}", "badge": "{{ message.badge }}"}'
+    )
+    idempotency_key = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="dedupe: messages rendering the same key start one run, e.g. {{ message.event_id }}",
+    )
+    priority = models.SmallIntegerField(
+        null=True, blank=True, validators=PRIORITY_VALIDATORS, help_text="empty: the template's default"
+    )
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name

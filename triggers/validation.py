@@ -1,0 +1,122 @@
+"""Checks shared by the REST serializers and the admin forms; each returns {field: message}."""
+
+from __future__ import annotations
+
+import functools
+import zoneinfo
+from typing import Any
+
+from celery.schedules import crontab as celery_crontab
+from django.core.exceptions import ValidationError
+from django_celery_beat.validators import crontab_validator
+
+from jobs.templating import TemplateError, references
+
+# Cron order, as in crontab(5) and django-celery-beat's CrontabSchedule.
+CRONTAB_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
+# What a trigger rule's references may read: the topic's levels and the message body.
+RULE_ROOTS = ("topic", "message")
+# MQTT's limit on a topic (filter) length in bytes.
+TOPIC_MAX_BYTES = 65535
+
+
+@functools.cache
+def _timezone_names() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+def timezone_error(name: str) -> str | None:
+    if name not in _timezone_names():
+        return f"unknown timezone {name!r}; use an IANA name such as Europe/Berlin or UTC"
+    return None
+
+
+def crontab_fields(expression: str) -> dict[str, str]:
+    """The five fields of "minute hour day-of-month month day-of-week"; ValueError names the problem."""
+    parts = expression.split()
+    if len(parts) != len(CRONTAB_FIELDS):
+        raise ValueError(f'a crontab has 5 fields "minute hour day-of-month month day-of-week", not {parts}')
+    try:
+        crontab_validator(" ".join(parts))
+        fields = dict(zip(CRONTAB_FIELDS, parts, strict=True))
+        celery_crontab(**fields)  # beat must be able to evaluate it, not only store it
+    except (ValidationError, ValueError, TypeError, IndexError) as exc:
+        message = "; ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+        raise ValueError(f"invalid crontab {expression!r}: {message}") from None
+    return fields
+
+
+def schedule_errors(*, interval_seconds: int | None, crontab: str, timezone: str) -> dict[str, str]:
+    """Exactly one of an interval or a crontab (with a known timezone)."""
+    errors: dict[str, str] = {}
+    if interval_seconds and crontab:
+        message = "give either interval_seconds or crontab, not both"
+        return {"interval_seconds": message, "crontab": message}
+    if not interval_seconds and not crontab:
+        message = "give interval_seconds or crontab"
+        return {"interval_seconds": message, "crontab": message}
+    if crontab:
+        try:
+            crontab_fields(crontab)
+        except ValueError as exc:
+            errors["crontab"] = str(exc)
+    problem = timezone_error(timezone)
+    if problem:
+        errors["timezone"] = problem
+    return errors
+
+
+def topic_filter_error(topic_filter: str) -> str | None:
+    """MQTT's rules for a subscription filter (as paho checks them before subscribing)."""
+    if not topic_filter:
+        return "a topic filter cannot be empty"
+    if len(topic_filter.encode()) > TOPIC_MAX_BYTES or "\x00" in topic_filter:
+        return "a topic filter is at most 65535 bytes of UTF-8 without NUL"
+    levels = topic_filter.split("/")
+    for position, level in enumerate(levels):
+        if ("+" in level or "#" in level) and len(level) > 1:
+            return f"wildcards must fill a whole level, not {level!r}"
+        if level == "#" and position != len(levels) - 1:
+            return "# may only be the last level"
+    if topic_filter.startswith("$share/"):
+        return "give the plain filter; the bridge adds $share/<group>/ itself"
+    return None
+
+
+def rule_reference_error(value: Any, topic_filter: str) -> str | None:
+    """References must read the topic or the message, and topic levels the filter can have."""
+    try:
+        paths = references(value)
+    except TemplateError as exc:
+        return str(exc)
+    levels = topic_filter.split("/")
+    for path in paths:
+        root, _, rest = path.partition(".")
+        if root not in RULE_ROOTS:
+            return f"{{{{ {path} }}}}: references start with topic or message"
+        index = rest.split(".")[0]
+        if root == "topic" and rest and not index.isdigit():
+            return f"{{{{ {path} }}}}: a topic level is a number from 0"
+        if root == "topic" and rest and "#" not in levels and int(index) >= len(levels):
+            return f"{{{{ {path} }}}}: the filter {topic_filter!r} has only {len(levels)} levels"
+    return None
+
+
+def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    problem = topic_filter_error(topic_filter)
+    if problem:
+        return {"topic_filter": problem}
+    if not isinstance(parameters, dict):
+        errors["parameters"] = "parameters must be a JSON object"
+    else:
+        problem = rule_reference_error(parameters, topic_filter)
+        if problem:
+            errors["parameters"] = problem
+    if idempotency_key:
+        problem = rule_reference_error(idempotency_key, topic_filter)
+        if problem is None and not references(idempotency_key):
+            problem = "a dedupe key must reference the message or topic, e.g. {{ message.event_id }}"
+        if problem:
+            errors["idempotency_key"] = problem
+    return errors
