@@ -3,12 +3,15 @@
 import time
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
-from jobs.demo import demo_seed, demo_trigger, run_progress_line
-from jobs.models import JobRun
+from jobs.demo import DOOR_RULE, demo_door_open, demo_seed, demo_trigger, run_progress_line
+from jobs.models import JobRun, Trigger
 
 # How often the progress display re-reads the runs.
 POLL_SECONDS = 0.25
+# The bridge starts the door sensor's run within a moment; this only bounds a broken stack.
+MQTT_RUN_WAIT_SECONDS = 20.0
 
 
 class Command(BaseCommand):
@@ -28,7 +31,23 @@ class Command(BaseCommand):
         runs = demo_trigger(runs_per_template=options["runs"])
         self.stdout.write(f"started {len(runs)} demo runs (Morning and Cleaning both need lamp-2)")
         if options["follow"]:
+            runs.append(self._door_open())
             self._follow([run.pk for run in runs], options["timeout"])
+
+    def _door_open(self) -> JobRun:
+        """Play the door sensor (SCENARIOS.md #5) and return the run its trigger rule started."""
+        since = timezone.now()
+        topic = demo_door_open()
+        self.stdout.write(f"door sensor published on {topic} (and one malformed message, dropped)")
+        deadline = time.monotonic() + MQTT_RUN_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            run = JobRun.objects.filter(
+                trigger=Trigger.MQTT, triggered_by__startswith=f"mqtt {DOOR_RULE} ", created_at__gte=since
+            ).first()
+            if run is not None:
+                return run
+            time.sleep(POLL_SECONDS)
+        raise CommandError(f"the door sensor's message started no run within {MQTT_RUN_WAIT_SECONDS:.0f}s")
 
     def _follow(self, run_ids, timeout: float) -> None:
         shown: dict = {}
