@@ -1,0 +1,236 @@
+"""Job templates: steps edited inline in position order, and *Run now* with its form."""
+
+from __future__ import annotations
+
+import json
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count
+from django.forms.models import BaseInlineFormSet
+from django.http import Http404, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from devices.models import DeviceGroup, labels_validate
+
+from ..models import JobRun, JobStep, JobTemplate, Trigger
+from ..services import RunStartError, run_start, run_start_each
+from ..validation import template_errors
+from .display import run_url
+
+
+class JobStepFormSet(BaseInlineFormSet):
+    """Checks across steps (references to earlier steps, unique names) on save."""
+
+    def clean(self) -> None:
+        super().clean()
+        steps = [
+            form.instance
+            for form in self.forms
+            if getattr(form, "cleaned_data", None) and not form.cleaned_data.get("DELETE")
+        ]
+        errors = template_errors(steps)
+        if errors:
+            raise ValidationError(
+                [
+                    f"{label}, {field}: {message}"
+                    for label, fields in errors.items()
+                    for field, message in fields.items()
+                ]
+            )
+
+
+class JobStepInline(admin.StackedInline):
+    model = JobStep
+    formset = JobStepFormSet
+    extra = 0
+    ordering = ["position"]
+    autocomplete_fields = ["device", "group"]
+    fieldsets = [
+        (None, {"fields": [("position", "name", "kind"), ("action", "args")]}),
+        ("Target (exactly one)", {"fields": [("device", "device_param"), ("group", "labels")]}),
+        (
+            "Timing and failure",
+            {
+                "fields": [
+                    ("timeout_seconds", "ack_timeout_seconds", "queue_timeout_seconds", "delay_seconds"),
+                    ("max_attempts", "backoff_seconds", "on_failure"),
+                    ("compensation_action", "compensation_args"),
+                ]
+            },
+        ),
+        (
+            "Fan-out",
+            {
+                "classes": ["collapse"],
+                "fields": [
+                    ("rollout_per_minute", "max_in_flight"),
+                    ("abort_failure_percent", "abort_min_devices", "success_percent"),
+                ],
+            },
+        ),
+    ]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).select_related("device", "group")
+
+
+def json_object_parse(text: str) -> dict:
+    """A form field's JSON text as a dict; ValidationError saying what is wrong otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+    if not isinstance(value, dict):
+        raise ValidationError('Must be a JSON object, e.g. {"level": 80}.')
+    return value
+
+
+class RunNowForm(forms.Form):
+    """What an admin-started run gets; *for each* starts one run per matching device."""
+
+    parameters = forms.CharField(
+        required=False,
+        initial="{}",
+        widget=forms.Textarea(attrs={"rows": 5, "cols": 60, "spellcheck": "false"}),
+        help_text='JSON object, e.g. {"door": 7}; steps read it as {{ params.door }}.',
+    )
+    priority = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=9,
+        help_text="0 lowest .. 9 most urgent; empty: the template's.",
+    )
+    group = forms.ModelChoiceField(
+        DeviceGroup.objects.all(),
+        required=False,
+        to_field_name="name",
+        label="For each device of group",
+        help_text="One run per enabled device; each run gets the device's name as parameter 'device'.",
+    )
+    labels = forms.CharField(
+        required=False,
+        label="For each device with labels",
+        widget=forms.TextInput(attrs={"size": 60, "spellcheck": "false"}),
+        help_text='JSON object, e.g. {"site": "berlin", "kind": "pump"}.',
+    )
+
+    def clean_parameters(self) -> dict:
+        return json_object_parse(self.cleaned_data["parameters"].strip() or "{}")
+
+    def clean_labels(self) -> dict:
+        text = self.cleaned_data["labels"].strip()
+        if not text:
+            return {}
+        labels = json_object_parse(text)
+        labels_validate(labels)
+        return labels
+
+    def clean(self) -> dict:
+        data = super().clean()
+        if data.get("group") and data.get("labels"):
+            raise ValidationError("For each device: choose a group or labels, not both.")
+        return data
+
+    def error_field(self, field: str) -> str | None:
+        """The form field a RunStartError's field belongs to (None: the form as a whole)."""
+        if field == "for_each":
+            return "group" if self.cleaned_data.get("group") else "labels"
+        return field if field in self.fields else None
+
+
+@admin.register(JobTemplate)
+class JobTemplateAdmin(admin.ModelAdmin):
+    list_display = ["name", "step_count", "default_priority", "updated_at"]
+    search_fields = ["name", "description"]
+    inlines = [JobStepInline]
+    change_form_template = "admin/jobs/jobtemplate/change_form.html"
+
+    class Media:
+        css = {"all": ["jobs/admin.css"]}
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(step_count=Count("steps"))
+
+    @admin.display(description="steps", ordering="step_count")
+    def step_count(self, template: JobTemplate) -> int:
+        return template.step_count
+
+    def get_list_display(self, request):
+        if self.has_run_permission(request):
+            return [*self.list_display, "run_now_link"]
+        return self.list_display
+
+    @admin.display(description="")
+    def run_now_link(self, template: JobTemplate) -> str:
+        return format_html(
+            '<a href="{}">Run now…</a>', reverse("admin:jobs_jobtemplate_run", args=[template.pk])
+        )
+
+    def has_run_permission(self, request) -> bool:
+        return request.user.has_perm("jobs.add_jobrun")
+
+    def get_urls(self):
+        run_now = self.admin_site.admin_view(self.run_now_view)
+        return [path("<path:object_id>/run/", run_now, name="jobs_jobtemplate_run"), *super().get_urls()]
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra = {"can_run": self.has_run_permission(request), **(extra_context or {})}
+        return super().change_view(request, object_id, form_url, extra)
+
+    def run_now_view(self, request, object_id):
+        """*Run now*: a form for the run's parameters, priority and for-each target."""
+        template = self.get_object(request, unquote(object_id))
+        if template is None:
+            raise Http404(f"no template with id {object_id!r}")
+        if not self.has_run_permission(request):
+            raise PermissionDenied
+        form = RunNowForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            try:
+                runs = self._runs_start(request, template, form.cleaned_data)
+            except RunStartError as exc:
+                form.add_error(form.error_field(exc.field), str(exc))
+            else:
+                return self._runs_started(request, template, runs)
+        fieldsets = [
+            (None, {"fields": ["parameters", "priority"]}),
+            ("For each device (optional)", {"fields": ["group", "labels"]}),
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Run {template.name}",
+            "opts": self.opts,
+            "original": template,
+            "adminform": helpers.AdminForm(form, fieldsets, {}),
+            "form": form,
+            "steps": template.steps.select_related("device", "group").order_by("position"),
+            "media": self.media + form.media,
+        }
+        return TemplateResponse(request, "admin/jobs/jobtemplate/run_now.html", context)
+
+    def _runs_start(self, request, template: JobTemplate, data: dict) -> list[JobRun]:
+        options = {
+            "template": template,
+            "parameters": data["parameters"],
+            "trigger": Trigger.ADMIN,
+            "triggered_by": request.user.username,
+            "priority": data["priority"],
+        }
+        if data["group"] or data["labels"]:
+            group = data["group"].name if data["group"] else ""
+            return run_start_each(**options, group=group, labels=data["labels"])
+        return [run_start(**options)[0]]
+
+    def _runs_started(self, request, template: JobTemplate, runs: list[JobRun]):
+        if len(runs) == 1:
+            self.message_user(request, f"Started run {runs[0].pk}.", messages.SUCCESS)
+            return HttpResponseRedirect(run_url(runs[0].pk))
+        self.message_user(request, f"Started {len(runs)} runs, one per device.", messages.SUCCESS)
+        runs_list = reverse("admin:jobs_jobrun_changelist")
+        return HttpResponseRedirect(f"{runs_list}?template__id__exact={template.pk}&trigger__exact=admin")
