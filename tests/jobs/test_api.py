@@ -265,3 +265,11 @@ def test_device_lock_of_a_missing_device_is_404_and_lists_are_paginated(admin_ap
     page = admin_api.get("/api/devices/?page_size=2").json()
     assert page["count"] == 3 and len(page["results"]) == 2 and "page=2" in page["next"]
     assert admin_api.get("/api/devices/?page=99").status_code == 404
+
+
+def test_openapi_schema_validates_without_warnings(tmp_path):
+    from django.core.management import call_command
+
+    target = tmp_path / "schema.yaml"
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(target))
+    assert "/api/runs/{id}/retry/" in target.read_text()
