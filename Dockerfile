@@ -23,6 +23,10 @@ COPY manage.py ./
 COPY iotqueue ./iotqueue
 COPY devices ./devices
 COPY jobs ./jobs
+COPY triggers ./triggers
+
+# The admin's static files, served by WhiteNoise from var/static (STATIC_ROOT).
+RUN python manage.py collectstatic --noinput --verbosity 0
 
 # settings.py creates var/ at import (SQLite file, dev-stack logs); it must be writable.
 RUN mkdir -p /app/var && chown iotqueue:iotqueue /app/var
