@@ -194,12 +194,10 @@ def test_dockerfile_copies_every_project_app():
     assert "manage.py" in copied or "." in copied
 
 
-def test_the_image_holds_every_project_app_and_collects_static_files():
-    # given the Dockerfile and the project's own apps (those with a directory here)
+def test_the_image_collects_static_files_for_whitenoise():
+    # given the Dockerfile and the middleware list
     dockerfile = DOCKERFILE.read_text()
-    apps = [app for app in settings.INSTALLED_APPS if (BASE_DIR / app).is_dir()]
 
-    # then each app's code is copied into the image, and static files are collected for WhiteNoise
-    for app in apps:
-        assert re.search(rf"^COPY {app} \./{app}$", dockerfile, re.MULTILINE), f"Dockerfile misses {app}/"
-    assert "collectstatic --noinput" in dockerfile
+    # then static files are collected at build time and served by WhiteNoise
+    assert re.search(r"^RUN python manage.py collectstatic --noinput", dockerfile, re.MULTILINE)
+    assert "whitenoise.middleware.WhiteNoiseMiddleware" in settings.MIDDLEWARE
