@@ -30,6 +30,7 @@ from .models import (
     StepRun,
     StepStatus,
 )
+from .services import plan_step_target
 
 # How often following re-reads the run. A healthy device answers within tens of
 # milliseconds, so some states flash past unseen; a quarter second still shows a slow
@@ -148,18 +149,6 @@ def run_position(run: JobRun) -> str:
     return f"{min(run.cursor + 1, len(run.plan))}/{len(run.plan)}"
 
 
-def _step_target(spec: dict) -> str:
-    if spec.get("device"):
-        return spec["device"]
-    if spec.get("device_param"):
-        return f"{{{{ params.{spec['device_param']} }}}}"
-    if spec.get("group"):
-        return f"group {spec['group']}"
-    if spec.get("labels"):
-        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
-    return "-"
-
-
 def _step_action(spec: dict) -> str:
     if spec.get("kind") == StepKind.DELAY:
         return f"delay {spec.get('delay_seconds', 0):g}s"
@@ -186,7 +175,7 @@ def _row_line(label: str, row: StepRun, spec: dict) -> str:
     """A step on one device: its status, attempt, progress and, once it failed, why."""
     tries = f"try {row.attempt}/{spec.get('max_attempts', 1)}" if row.attempt else ""
     note = row.error[:80] if row.is_terminal and row.error else ""
-    what = f"{row.device_name or _step_target(spec)} {_step_action(spec)}"
+    what = f"{row.device_name or plan_step_target(spec)} {_step_action(spec)}"
     return _line(label, progress_bar(_row_percent(row)), row.status, tries, what, note)
 
 
@@ -199,7 +188,7 @@ def _fanout_line(label: str, rows: list[StepRun], spec: dict) -> str:
     else:
         overall = "pending" if counts[StepStatus.PENDING] == len(rows) else "running"
     breakdown = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
-    what = f"{_step_target(spec)} {_step_action(spec)}"
+    what = f"{plan_step_target(spec)} {_step_action(spec)}"
     return _line(
         label, progress_bar(finished * 100 // len(rows)), overall, f"{finished}/{len(rows)}", what, breakdown
     )
@@ -231,7 +220,7 @@ def step_lines(run: JobRun) -> dict[str, str]:
 
 def _not_started_line(run: JobRun, label: str, spec: dict) -> str:
     status = "not run" if run.is_terminal else "pending"
-    return _line(label, progress_bar(None), status, "", f"{_step_target(spec)} {_step_action(spec)}")
+    return _line(label, progress_bar(None), status, "", f"{plan_step_target(spec)} {_step_action(spec)}")
 
 
 def event_line(event: RunEvent) -> str:

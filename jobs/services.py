@@ -57,6 +57,19 @@ def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
     return plan
 
 
+def plan_step_target(spec: dict[str, Any]) -> str:
+    """What a plan entry addresses, for people: `lamp-2`, `group pumps`, `labels kind=pump`."""
+    if spec.get("device"):
+        return spec["device"]
+    if spec.get("device_param"):
+        return f"{{{{ params.{spec['device_param']} }}}}"
+    if spec.get("group"):
+        return f"group {spec['group']}"
+    if spec.get("labels"):
+        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+    return "-"
+
+
 def run_start(
     *,
     template: JobTemplate,

@@ -18,6 +18,7 @@ from django.db.models import Count, Subquery
 from django.utils import timezone
 
 from .models import STEP_IN_FLIGHT, JobRun, Phase, RunEvent, StepRun, StepStatus
+from .services import plan_step_target
 
 # A fan-out run has one row per device (scenario 4's rollout: ~2,000). The page lists this
 # many; the plan overview still counts all of them and the step-run list has the rest.
@@ -174,24 +175,12 @@ def _plan_lines(run: JobRun, counts: Counter) -> list[PlanLine]:
             PlanLine(
                 index=index,
                 label=spec.get("name") or spec.get("action") or spec.get("kind", ""),
-                target=_target_label(spec),
+                target=plan_step_target(spec),
                 counts=by_status,
                 current=not run.is_terminal and index == run.cursor,
             )
         )
     return lines
-
-
-def _target_label(spec: dict[str, Any]) -> str:
-    if spec.get("device"):
-        return spec["device"]
-    if spec.get("device_param"):
-        return f"{{{{ params.{spec['device_param']} }}}}"
-    if spec.get("group"):
-        return f"group {spec['group']}"
-    if spec.get("labels"):
-        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
-    return "-"
 
 
 def _step_line(run: JobRun, row: StepRun, now: datetime) -> StepLine:

@@ -184,3 +184,27 @@ def manual_device(services):
     yield make
     for device in made:
         device.close()
+
+
+@pytest.fixture
+def admin_api():
+    """A REST client signed in as a superuser."""
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("admin", "a@example.com", "pw"))
+    return client
+
+
+@pytest.fixture
+def reader_api():
+    """A REST client whose user has every view_ permission and nothing else."""
+    from django.contrib.auth.models import Permission, User
+    from rest_framework.test import APIClient
+
+    reader = User.objects.create_user("reader")
+    reader.user_permissions.add(*Permission.objects.filter(codename__startswith="view_"))
+    client = APIClient()
+    client.force_authenticate(reader)
+    return client

@@ -1,7 +1,7 @@
 """REST API: templates with nested steps, devices and their lock, permissions, the schema."""
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from devices.locks import device_lock_acquire, device_lock_release
@@ -9,22 +9,6 @@ from jobs.models import JobTemplate
 from tests.factories import DeviceFactory
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def admin_api() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_superuser("admin", "a@example.com", "pw"))
-    return client
-
-
-@pytest.fixture
-def reader_api() -> APIClient:
-    reader = User.objects.create_user("reader")
-    reader.user_permissions.add(*Permission.objects.filter(codename__startswith="view_"))
-    client = APIClient()
-    client.force_authenticate(reader)
-    return client
 
 
 def provisioning(devices) -> dict:

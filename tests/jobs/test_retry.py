@@ -4,7 +4,6 @@ only its devices that did not succeed; what cannot be retried says why."""
 import uuid
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from rest_framework.test import APIClient
 
 from devices.simulator import DeviceBehaviour
@@ -22,18 +21,12 @@ def finished(run: JobRun) -> JobRun | None:
     return run if run.is_terminal else None
 
 
-def operator_api() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_superuser(f"op-{uuid.uuid4().hex[:6]}"))
-    return client
-
-
 def actions(sim, device, action: str) -> int:
     return sum(1 for command in sim.received(device.name) if command["action"] == action)
 
 
 @pytest.mark.django_db(transaction=True)
-def test_retry_carries_earlier_steps_and_resumes_at_the_failed_one(stack, simulator):
+def test_retry_carries_earlier_steps_and_resumes_at_the_failed_one(stack, simulator, admin_api):
     # given read_info -> register (broken on the registry, uses the serial) -> finish
     agent, registry = DeviceFactory(), DeviceFactory()
     sim = simulator(
@@ -54,7 +47,7 @@ def test_retry_carries_earlier_steps_and_resumes_at_the_failed_one(stack, simula
 
     # when the registry is repaired and the operator retries over REST
     sim.devices[registry.name].behaviour = DeviceBehaviour()
-    api = operator_api()
+    api = admin_api
     response = api.post(f"/api/runs/{failed.pk}/retry/")
     assert response.status_code == 201, response.content
     retry = JobRun.objects.get(pk=response.json()["id"])
@@ -124,16 +117,11 @@ def test_what_cannot_be_retried_says_why():
 
 
 @pytest.mark.django_db
-def test_retry_over_rest_needs_permission_and_an_existing_run():
+def test_retry_over_rest_needs_permission_and_an_existing_run(reader_api):
     device = DeviceFactory()
     template = template_with_steps((device, "on", {}))
     failed = JobRun.objects.create(template=template, plan=template_plan(template), status=RunStatus.FAILED)
-    reader = User.objects.create_user("reader")
-    reader.user_permissions.add(*Permission.objects.filter(codename__startswith="view_"))
-    client = APIClient()
-    client.force_authenticate(reader)
-
-    assert client.post(f"/api/runs/{failed.pk}/retry/").status_code == 403
-    assert client.post(f"/api/runs/{uuid.uuid4()}/retry/").status_code == 404
+    assert reader_api.post(f"/api/runs/{failed.pk}/retry/").status_code == 403
+    assert reader_api.post(f"/api/runs/{uuid.uuid4()}/retry/").status_code == 404
     assert APIClient().post(f"/api/runs/{failed.pk}/retry/").status_code in (401, 403)
     assert not JobRun.objects.filter(retry_of=failed).exists()

@@ -4,9 +4,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from devices.simulator import DeviceBehaviour
 from iotqueue.processes import Supervisor, beat_argv
@@ -21,13 +19,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 DATABASE_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # After disabling, beat must stay quiet for this many of the schedule's 1 s periods.
 SETTLE_PERIODS = 3
-
-
-@pytest.fixture
-def api() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_superuser("operator", "op@example.com", "pw"))
-    return client
 
 
 @pytest.fixture
@@ -49,14 +40,14 @@ def scheduled_runs(name: str):
     return JobRun.objects.filter(trigger=Trigger.SCHEDULE, triggered_by=f"schedule {name}")
 
 
-def test_schedule_from_rest_fires_through_beat_until_disabled(database_beat, simulator, api):
+def test_schedule_from_rest_fires_through_beat_until_disabled(database_beat, simulator, admin_api):
     # given a pump with a firmware-check template
     pump = DeviceFactory()
     simulator({pump.name: DeviceBehaviour()})
     template = template_with_steps((pump, "firmware/check", {"channel": "{{ params.channel }}"}))
 
     # when a schedule firing every second is created over REST
-    response = api.post(
+    response = admin_api.post(
         "/api/schedules/",
         {
             "name": "pump check",
@@ -83,7 +74,7 @@ def test_schedule_from_rest_fires_through_beat_until_disabled(database_beat, sim
 
     # when it is disabled over REST
     log_offset = database_beat.log_size("beat")
-    assert api.patch("/api/schedules/pump check/", {"enabled": False}, format="json").status_code == 200
+    assert admin_api.patch("/api/schedules/pump check/", {"enabled": False}, format="json").status_code == 200
     runs_when_disabled = scheduled_runs("pump check").count()
 
     # then beat notices, stops sending it, and no run starts any more

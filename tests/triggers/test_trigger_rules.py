@@ -5,8 +5,6 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
-from django.contrib.auth.models import User
-from rest_framework.test import APIClient
 
 from devices.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, Trigger
@@ -19,13 +17,6 @@ from triggers.rules import trigger_message_handle
 # the test publishes again this often until the run appears (the dedupe key makes
 # repeats harmless).
 REPUBLISH_SECONDS = 0.5
-
-
-@pytest.fixture
-def api() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_superuser("operator", "op@example.com", "pw"))
-    return client
 
 
 @pytest.fixture
@@ -60,7 +51,7 @@ def dropped_count() -> int:
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
-def test_door_event_starts_a_run_end_to_end(stack, simulator, api, sensor, services):
+def test_door_event_starts_a_run_end_to_end(stack, simulator, admin_api, sensor, services):
     # given a camera, a "Door opened" template and a rule created over REST (SCENARIOS #5)
     camera = DeviceFactory()
     sim = simulator({camera.name: DeviceBehaviour()})
@@ -68,7 +59,7 @@ def test_door_event_starts_a_run_end_to_end(stack, simulator, api, sensor, servi
         (camera, "snapshot", {"door": "{{ params.door }}", "badge": "{{ params.badge }}"})
     )
     site = f"{services.namespace}/site/berlin"
-    response = api.post(
+    response = admin_api.post(
         "/api/trigger-rules/",
         {
             "name": "door opened",

@@ -3,30 +3,12 @@
 import json
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from django_celery_beat.models import PeriodicTask
-from rest_framework.test import APIClient
 
 from tests.factories import DeviceFactory, template_with_steps
 from triggers.models import Schedule, TriggerRule
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def admin_api() -> APIClient:
-    client = APIClient()
-    client.force_authenticate(User.objects.create_superuser("admin", "a@example.com", "pw"))
-    return client
-
-
-@pytest.fixture
-def reader_api() -> APIClient:
-    reader = User.objects.create_user("reader")
-    reader.user_permissions.add(*Permission.objects.filter(codename__startswith="view_"))
-    client = APIClient()
-    client.force_authenticate(reader)
-    return client
 
 
 @pytest.fixture
