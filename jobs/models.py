@@ -194,7 +194,10 @@ class JobRun(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["status", "created_at"], name="jobrun_status_created")]
+        indexes = [
+            models.Index(fields=["status", "created_at"], name="jobrun_status_created"),
+            models.Index(fields=["triggered_by"], name="jobrun_triggered_by"),  # admin search
+        ]
 
     def __str__(self) -> str:
         return f"{self.template.name} {str(self.id)[:8]} ({self.status})"
@@ -307,7 +310,10 @@ class RunEvent(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["run", "id"], name="runevent_run_id")]
+        indexes = [
+            models.Index(fields=["run", "id"], name="runevent_run_id"),
+            models.Index(fields=["device", "id"], name="runevent_device_id"),  # a device's events
+        ]
 
     def __str__(self) -> str:
         return f"{self.created_at:%H:%M:%S} {self.kind} {self.message}"[:120]

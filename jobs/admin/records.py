@@ -6,15 +6,31 @@ from django.contrib import admin
 from django.db.models import Q
 from django.utils.html import format_html
 
+from devices.models import Device
+
 from ..models import RunEvent, StepRun
-from ..timeline import ATTENTION_KINDS, FAILURE_SUFFIXES
+from ..timeline import ATTENTION_KINDS
 from .display import run_url, status_badge
+from .paging import EstimatedCountPaginator
+
+# The kinds the run page colours as failures (timeline.FAILURE_SUFFIXES: ".failed",
+# ".timed_out"), as the engine records them: `run.<status>` and `step.<status>`, and the
+# scheduler's. Listed rather than matched by suffix: `kind IN (...)` reads the kind index,
+# `kind LIKE '%.failed'` reads every event (600 ms with 3 million).
+FAILURE_KINDS = (
+    "run.failed",
+    "run.timed_out",
+    "step.failed",
+    "step.timed_out",
+    "schedule.failed",
+)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
     """The engine's own records: viewing only, edits would break its bookkeeping."""
 
     show_full_result_count = False  # no second, unfiltered COUNT(*) on every filtered page
+    paginator = EstimatedCountPaginator  # nor a COUNT(*) of millions of rows on every page view
     ordering = ["-id"]  # newest first, along the primary key
 
     def has_add_permission(self, request) -> bool:
@@ -41,9 +57,12 @@ class StepRunAdmin(ReadOnlyAdmin):
         "dispatched_at",
         "finished_at",
     ]
-    list_filter = ["status", "phase"]
+    # Status only: a filter on phase would read every row for the rare compensation rows
+    # (no index has phase; the run page shows a run's compensations).
+    list_filter = ["status"]
     list_select_related = ["run__template", "device"]
-    search_fields = ["command_id__exact", "device__name__exact"]
+    search_fields = ["command_id__exact", "device__name__exact"]  # as get_search_results does it
+    search_help_text = "A command id or a device name (exact)."
     raw_id_fields = ["run", "device"]
 
     class Media:
@@ -52,6 +71,18 @@ class StepRunAdmin(ReadOnlyAdmin):
     @admin.display(description="run")
     def run_link(self, step_run: StepRun) -> str:
         return format_html('<a href="{}">{}</a>', run_url(step_run.run_id), step_run.run)
+
+    def get_search_results(self, request, queryset, search_term):
+        """Rows with that command id or on the device of that name, each through its index.
+
+        The device is looked up first: `command_id = x OR device.name = x` across the join
+        would read every step run, `command_id = x OR device_id IN (ids)` reads two indexes.
+        """
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        devices = list(Device.objects.filter(name=term).values_list("pk", flat=True))
+        return queryset.filter(Q(command_id=term) | Q(device_id__in=devices)), False
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, step_run: StepRun) -> str:
@@ -77,10 +108,7 @@ class EventToneFilter(admin.SimpleListFilter):
         if value == "attention":
             return queryset.filter(kind__in=ATTENTION_KINDS)
         if value == "failure":
-            failed = Q()
-            for suffix in FAILURE_SUFFIXES:
-                failed |= Q(kind__endswith=suffix)
-            return queryset.filter(failed)
+            return queryset.filter(kind__in=FAILURE_KINDS)
         if value in self.FAMILIES:
             return queryset.filter(kind__startswith=value)
         return queryset
@@ -91,7 +119,8 @@ class RunEventAdmin(ReadOnlyAdmin):
     list_display = ["id", "created_at", "kind", "run_link", "device", "message"]
     list_filter = [EventToneFilter]
     list_select_related = ["run__template"]
-    search_fields = ["device__exact", "kind__exact"]
+    search_fields = ["device__exact", "kind__exact"]  # both indexed: runevent_device_id, kind
+    search_help_text = "A device name or an event kind (exact), e.g. pump-0042 or reply.stale."
     raw_id_fields = ["run", "step_run"]
 
     @admin.display(description="run")
