@@ -13,6 +13,8 @@ from typing import Any
 
 from django.conf import settings
 
+from iotqueue.nul import nul_path
+
 PROTOCOL_VERSION = 1
 
 # Device -> server message kinds, by the last topic level.
@@ -94,9 +96,13 @@ def payload_json(raw: bytes) -> Any:
     if len(raw) > settings.IOTQUEUE_MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"payload of {len(raw)} bytes exceeds {settings.IOTQUEUE_MAX_PAYLOAD_BYTES}")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"payload is not JSON: {exc}") from None
+    where = nul_path(body)
+    if where:
+        raise ProtocolError(f"payload has a NUL character (\\u0000) in {where}")
+    return body
 
 
 def reply_kind_infer(body: Any) -> str:

@@ -44,6 +44,7 @@ MIDDLEWARE = [
     # Static files (the admin's CSS and JavaScript, the live run view) from gunicorn itself,
     # after `collectstatic` (the image runs it); runserver serves them in development.
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    "iotqueue.api.NulRefusingMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -109,6 +110,11 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["iotqueue.permissions.ModelPermissions"],
     "DEFAULT_PAGINATION_CLASS": "iotqueue.pagination.Pagination",
+    "DEFAULT_PARSER_CLASSES": [
+        "iotqueue.api.NulRefusingJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 SPECTACULAR_SETTINGS = {

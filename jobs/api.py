@@ -1,6 +1,9 @@
 """REST endpoints for runs: start one (the trigger) and read where it stands."""
 
+from datetime import UTC, datetime
+
 from django.db.models import Prefetch
+from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
@@ -32,10 +35,7 @@ def runs_filter(queryset, params):
         queryset = queryset.filter(step_runs__device__name=params["device"]).distinct()
     for name, lookup in (("since", "created_at__gte"), ("until", "created_at__lt")):
         if params.get(name):
-            when = parse_datetime(params[name])
-            if when is None:
-                raise ValidationError({name: ["use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z"]})
-            queryset = queryset.filter(**{lookup: when})
+            queryset = queryset.filter(**{lookup: _datetime_param(name, params[name])})
     return queryset
 
 
@@ -46,6 +46,21 @@ RUN_LIST_PARAMETERS = [
     OpenApiParameter("since", OpenApiTypes.DATETIME, description="Created at or after (ISO 8601)."),
     OpenApiParameter("until", OpenApiTypes.DATETIME, description="Created before (ISO 8601)."),
 ]
+
+
+def _datetime_param(name: str, value: str) -> datetime:
+    """An ISO 8601 date-time as UTC; 400 for a malformed one or an offset no database takes."""
+    problem = ["use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z"]
+    try:
+        when = parse_datetime(value)
+        if when is not None:
+            # Naive means UTC; an offset is converted away (PostgreSQL refuses beyond ±15:59).
+            when = when.astimezone(UTC) if timezone.is_aware(when) else when.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise ValidationError({name: problem}) from None
+    if when is None:
+        raise ValidationError({name: problem})
+    return when
 
 
 @extend_schema_view(list=extend_schema(parameters=RUN_LIST_PARAMETERS))

@@ -257,3 +257,20 @@ def test_openapi_schema_validates_without_warnings(tmp_path):
     target = tmp_path / "schema.yaml"
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(target))
     assert "/api/runs/{id}/retry/" in target.read_text()
+
+
+def test_nul_characters_and_impossible_dates_are_a_400_not_a_database_error(admin_api):
+    device = DeviceFactory()
+    body = {
+        "name": "nul",
+        "steps": [{"position": 0, "device": device.name, "action": "a", "args": {"x": "a\x00"}}],
+    }
+    refused = admin_api.post("/api/templates/", body, format="json")
+    assert refused.status_code == 400 and "steps[0].args.x" in refused.json()["detail"]
+    assert admin_api.get("/api/templates/a%00b/").status_code == 400
+    assert admin_api.get("/api/runs/?device=%00").status_code == 400
+    assert admin_api.get("/api/runs/?since=2026-13-01T00:00:00Z").json() == {
+        "since": ["use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z"]
+    }
+    # an offset PostgreSQL would refuse (beyond ±15:59) is converted to UTC first
+    assert admin_api.get("/api/runs/?since=0147-03-18T16:12:44-16:03").status_code == 200

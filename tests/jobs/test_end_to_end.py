@@ -86,6 +86,8 @@ def test_bad_mqtt_input_is_dropped_and_recorded(stack, simulator, api, services)
         # when garbage, an unknown command id and a reply from the wrong device arrive
         client.publish(f"{prefix}/{device.name}/done", b"\xff not json", qos=1).wait_for_publish(5)
         client.publish(f"{prefix}/{device.name}/done", json.dumps({"ok": True}), qos=1).wait_for_publish(5)
+        nul = json.dumps({"id": "x-1", "ok": True, "result": {"note": "a\x00b"}})  # PostgreSQL refuses NUL
+        client.publish(f"{prefix}/{device.name}/done", nul, qos=1).wait_for_publish(5)
         client.publish(f"{prefix}/{device.name}/done", json.dumps({"id": "nope", "ok": True}), qos=1)
         response = api.post("/api/runs/", {"template": template.name}, format="json")
         run = wait_for(lambda: run_finished(response.json()["id"]), what="run to finish")
@@ -96,7 +98,8 @@ def test_bad_mqtt_input_is_dropped_and_recorded(stack, simulator, api, services)
         # then each is recorded and dropped, and the bridge still serves runs
         wait_for(lambda: RunEvent.objects.filter(kind="reply.foreign_device").exists(), what="foreign reply")
         wait_for(lambda: RunEvent.objects.filter(kind="reply.stale").exists(), what="duplicate reply")
-        assert RunEvent.objects.filter(kind="message.dropped").count() == 2
+        assert RunEvent.objects.filter(kind="message.dropped").count() == 3
+        assert RunEvent.objects.filter(kind="message.dropped", message__contains="result.note").exists()
         assert RunEvent.objects.filter(kind="reply.unknown", device=device.name).exists()
         assert run.status == RunStatus.SUCCEEDED
         again = api.post("/api/runs/", {"template": template.name}, format="json")
