@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from rest_framework.exceptions import ParseError
-from rest_framework.parsers import JSONParser
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 
 from .nul import NUL, nul_path
+
+
+def _nul_refuse(data) -> None:
+    where = nul_path(dict(data.lists()) if hasattr(data, "lists") else data)  # a QueryDict: every value
+    if where:
+        raise ParseError(f"NUL characters (\\u0000) are not accepted: found in {where}")
 
 
 class NulRefusingJSONParser(JSONParser):
@@ -15,10 +21,22 @@ class NulRefusingJSONParser(JSONParser):
 
     def parse(self, stream, media_type=None, parser_context=None):
         data = super().parse(stream, media_type, parser_context)
-        where = nul_path(data)
-        if where:
-            raise ParseError(f"NUL characters (\\u0000) are not accepted: found in {where}")
+        _nul_refuse(data)
         return data
+
+
+class NulRefusingFormParser(FormParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        data = super().parse(stream, media_type, parser_context)
+        _nul_refuse(data)
+        return data
+
+
+class NulRefusingMultiPartParser(MultiPartParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        parsed = super().parse(stream, media_type, parser_context)
+        _nul_refuse(parsed.data)
+        return parsed
 
 
 class NulRefusingMiddleware:

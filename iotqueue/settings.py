@@ -112,8 +112,8 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "iotqueue.pagination.Pagination",
     "DEFAULT_PARSER_CLASSES": [
         "iotqueue.api.NulRefusingJSONParser",
-        "rest_framework.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
+        "iotqueue.api.NulRefusingFormParser",
+        "iotqueue.api.NulRefusingMultiPartParser",
     ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }

@@ -274,3 +274,10 @@ def test_nul_characters_and_impossible_dates_are_a_400_not_a_database_error(admi
     }
     # an offset PostgreSQL would refuse (beyond ±15:59) is converted to UTC first
     assert admin_api.get("/api/runs/?since=0147-03-18T16:12:44-16:03").status_code == 200
+
+
+def test_nul_characters_in_a_form_body_are_a_400(admin_api):
+    response = admin_api.post("/api/runs/", {"template": "a\x00b"}, format="multipart")
+    assert response.status_code == 400 and "template" in response.json()["detail"]
+    form = admin_api.post("/api/runs/", "template=a%00b", content_type="application/x-www-form-urlencoded")
+    assert form.status_code == 400
