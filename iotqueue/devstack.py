@@ -120,7 +120,7 @@ def _children_start(supervisor: Supervisor, web_port: int) -> None:
     }
     for name, pattern in ready.items():
         supervisor.wait_for_log(name, pattern, timeout=READY_TIMEOUT_SECONDS)
-        print(f"  {name:<8}up (pid {supervisor.children[name].pid})")
+        print(f"  {name:<10}up (pid {supervisor.children[name].pid})")
 
 
 if __name__ == "__main__":

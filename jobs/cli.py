@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import shutil
 import time
 from collections import Counter
@@ -144,6 +145,19 @@ def run_headline(run: JobRun) -> str:
     return f"{run.template.name} {run_short_id(run)}  {run.status}  step {run_position(run)}"
 
 
+def timeline_log_quiet(verbosity: int) -> None:
+    """The command prints what happens; the timeline's INFO lines would repeat it on stderr
+    (they are still written at -v 2 and above)."""
+    if verbosity < 2:
+        logging.getLogger("jobs.timeline").setLevel(logging.WARNING)
+
+
+def trigger_label(run: JobRun) -> str:
+    """`cli demo`, `schedule nightly`: schedules and rules already name their trigger first."""
+    by = run.triggered_by or "anonymous"
+    return by if by.split(" ", 1)[0] == run.trigger else f"{run.trigger} {by}"
+
+
 def run_position(run: JobRun) -> str:
     """`2/3`: the step the run is on, or stopped on (the cursor moves past the last on success)."""
     return f"{min(run.cursor + 1, len(run.plan))}/{len(run.plan)}"
@@ -276,7 +290,7 @@ def run_table_lines(runs: list[JobRun]) -> list[str]:
                 run.template.name[:20],
                 run.status,
                 run_position(run),
-                f"{run.trigger} {run.triggered_by}"[:20],
+                trigger_label(run)[:20],
                 time_text(run.created_at, with_date=True),
                 took,
                 run.error[:60],

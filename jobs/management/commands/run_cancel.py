@@ -3,7 +3,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from jobs.cancel import run_cancel
-from jobs.cli import RunNotFound, operator_name, run_find, run_short_id
+from jobs.cli import RunNotFound, operator_name, run_find, run_short_id, timeline_log_quiet
 
 
 class Command(BaseCommand):
@@ -17,6 +17,7 @@ class Command(BaseCommand):
         parser.add_argument("--by", help="who cancels it, for the audit trail (default: your OS user)")
 
     def handle(self, *args, **options):
+        timeline_log_quiet(options["verbosity"])
         try:
             run = run_find(options["run"])
         except RunNotFound as exc:

@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.cli import RunNotFound, operator_name, run_find, run_wait
+from jobs.cli import RunNotFound, operator_name, run_find, run_wait, timeline_log_quiet
 from jobs.models import Trigger
 from jobs.retry import RetryError, run_retry
 
@@ -24,6 +24,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
+        timeline_log_quiet(options["verbosity"])
         if options["timeout"] is not None and not options["wait"]:
             raise CommandError("--timeout needs --wait")
         try:

@@ -4,7 +4,7 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.cli import operator_name, run_wait
+from jobs.cli import operator_name, run_wait, timeline_log_quiet
 from jobs.models import JobTemplate, Trigger
 from jobs.services import RunStartError, run_start
 
@@ -78,6 +78,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
+        timeline_log_quiet(options["verbosity"])
         if options["timeout"] is not None and not options["wait"]:
             raise CommandError("--timeout needs --wait")
         template = template_get(options["template"])
