@@ -8,7 +8,7 @@ from rest_framework.routers import DefaultRouter
 
 from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.views import metrics_view
-from jobs.api import RunViewSet, TemplateViewSet
+from jobs.api import DeviceLockReleaseView, RunViewSet, TemplateViewSet
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 
 router = DefaultRouter()
@@ -21,6 +21,7 @@ router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/devices/<str:name>/lock/release/", DeviceLockReleaseView.as_view(), name="device-lock-release"),
     path("api/", include(router.urls)),
     path("api/token/", obtain_auth_token, name="api-token"),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

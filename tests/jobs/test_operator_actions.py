@@ -105,3 +105,16 @@ def test_locks_command_shows_holder_and_force_releases(silent_run):
     assert f"holder=step:{run.step_runs.get().pk}" in out.getvalue()
     call_command("locks", device.name, "--force-release", "--by", "ops", stdout=out)
     assert RunEvent.objects.filter(kind="lock.force_released", message__contains="ops").exists()
+
+
+def test_rest_force_release_needs_permission_and_frees_the_device(silent_run, admin_api, reader_api):
+    device, run = silent_run
+    url = f"/api/devices/{device.name}/lock/release/"
+    assert reader_api.post(url).status_code == 403
+    assert admin_api.post("/api/devices/no-such-device/lock/release/").status_code == 404
+
+    released = admin_api.post(url)
+
+    assert released.json() == {"device": device.name, "released_from": f"step:{run.step_runs.get().pk}"}
+    assert RunEvent.objects.filter(kind="lock.force_released", message__contains="admin").exists()
+    wait_for(lambda: run.step_runs.get().status == StepStatus.RETRYING, what="attempt ended, retry pending")
