@@ -83,9 +83,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The test database is a file, not memory: the worker and bridge processes share it.
     # One per test session (pid), so two suites on one checkout never share it.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
-else:
-    DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Connections are reused (workers and bridge run thousands of short transactions; opening
+# one per task or message costs more than the step's own statements), checked before use.
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -19,7 +19,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from devices import protocol
@@ -205,23 +205,25 @@ def step_row_create(
     """The queued row of a step (once), with its queue deadline."""
     spec = run.plan[index]
     now = timezone.now()
-    with transaction.atomic():
-        step_run, created = StepRun.objects.get_or_create(
-            run=run,
-            phase=phase,
-            index=index,
-            device=device,
-            defaults={
-                "action": action,
-                "args": args,
-                "status": StepStatus.QUEUED,
-                "queued_at": now,
-                "deadline": now + timedelta(seconds=spec["queue_timeout_seconds"]),
-            },
-        )
-        step_run.run = run
-        if created:
+    try:
+        # Insert first: the row usually does not exist yet. A redelivered task hits the
+        # unique (run, phase, index, device) constraint and reads the row it made before.
+        with transaction.atomic():
+            step_run = StepRun.objects.create(
+                run=run,
+                phase=phase,
+                index=index,
+                device=device,
+                action=action,
+                args=args,
+                status=StepStatus.QUEUED,
+                queued_at=now,
+                deadline=now + timedelta(seconds=spec["queue_timeout_seconds"]),
+            )
             event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
+    except IntegrityError:
+        step_run = StepRun.objects.get(run=run, phase=phase, index=index, device=device)
+    step_run.run = run
     # Its queue deadline goes to Redis only if it has to wait (step_acquire): most steps get
     # their device at once. Should this process die first, the database sweep finds the row.
     return step_run

@@ -267,7 +267,9 @@ class StepRun(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        ordering = ["run", "phase", "index", "device"]
+        # Column ids, not the relations: ordering by "run" would sort by JobRun's own ordering
+        # and join jobs_jobrun into every query of this table, hot path included.
+        ordering = ["run_id", "phase", "index", "device_id"]
         constraints = [
             models.UniqueConstraint(
                 fields=["run", "phase", "index", "device"], name="steprun_unique_run_phase_index_device"

@@ -112,19 +112,21 @@ def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
 
 
 def step_ack_apply(*, device: str, reply: protocol.Reply) -> bool:
-    """ack/progress applied in place (by the bridge, no task): one UPDATE in the common case.
+    """ack/progress applied in place (by the bridge, no task): a read and one UPDATE.
 
     Returns False when the reply matches no current attempt of that device; the caller
     then hands it to `step_reply`, which finds out why and records it.
     """
-    current = StepRun.objects.filter(
-        command_id=reply.command_id, device__name=device, status__in=STEP_IN_FLIGHT
-    )
+    step_run = StepRun.objects.select_related("device").filter(command_id=reply.command_id).first()
+    if step_run is None or step_run.device.name != device or step_run.status not in STEP_IN_FLIGHT:
+        return False
+    # Compare-and-set on the row as read: the attempt may have ended since (a done first).
+    current = StepRun.objects.filter(pk=step_run.pk, command_id=reply.command_id, status__in=STEP_IN_FLIGHT)
     changes = {"status": StepStatus.IN_PROGRESS, "acked_at": Coalesce("acked_at", timezone.now())}
     if reply.progress is not None:
         changes["progress"] = reply.progress
-    if current.filter(status=StepStatus.DISPATCHED).update(**changes):
-        step_run = StepRun.objects.select_related("device").get(command_id=reply.command_id)
+    dispatched = current.filter(status=StepStatus.DISPATCHED)
+    if step_run.status == StepStatus.DISPATCHED and dispatched.update(**changes):
         deadlines_clear(
             [Deadline("ack", step_run.pk, step_run.attempt), Deadline("send", step_run.pk, step_run.attempt)]
         )
