@@ -10,13 +10,12 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 from contextlib import ExitStack
 from typing import Any
 
 from .cpu import cpu_report, cpu_sample
-from .stack import BenchStack, stack_open
+from .stack import BenchStack, stack_open, stop_signals_install
 
 # Runs sent and awaited before measuring, so that worker children have imported everything
 # and opened their database, Redis and MQTT connections (the baseline warms up likewise).
@@ -69,17 +68,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, frame: object) -> None:
-    print(f"bench: signal {signum}; stopping everything it started", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)  # unwinds the ExitStack: every child and server is stopped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     load_at_start = [round(x, 2) for x in os.getloadavg()]
-    signal.signal(signal.SIGTERM, _terminate)
-    # Also when started in the background, where the shell leaves SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_signals_install("bench")
     with ExitStack() as exits:
         stack = stack_open(exits, database_url=args.database_url)
         say(f"bench: scratch {stack.workdir}; database {stack.database}")

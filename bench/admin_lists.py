@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from iotqueue.processes import BASE_DIR
 from iotqueue.servers import redis_start
+
+from .stack import stop_signals_install
 
 SCRATCH_ROOT = BASE_DIR / "var" / "bench"
 DEFAULT_SERVER = "postgres://postgres@127.0.0.1:5432/postgres"
@@ -439,14 +440,9 @@ def table_sizes() -> str:
     return ", ".join(f"{model.objects.count():,} {model._meta.verbose_name_plural}" for model in models)
 
 
-def _terminate(signum: int, frame: object) -> None:
-    print(f"admin_lists: signal {signum}; stopping what it started", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)  # unwinds the ExitStack: Redis stopped, database dropped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
-    signal.signal(signal.SIGTERM, _terminate)
+    stop_signals_install("admin_lists")
     with ExitStack() as exits:
         database_open(exits, args)
         from django.contrib.auth.models import User

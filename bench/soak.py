@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import threading
@@ -31,7 +30,7 @@ from typing import Any
 
 from .cpu import cpu_report, cpu_sample
 from .report import RESULTS_DIR, machine_describe
-from .stack import BenchStack, stack_open
+from .stack import BenchStack, stack_open, stop_signals_install
 
 # The design's bars (DESIGN.md, "Quality bars").
 RSS_GROWTH_MAX = 0.10
@@ -514,16 +513,10 @@ def result_write(result: dict[str, Any]) -> Path:
     return path
 
 
-def _terminate(signum: int, frame: object) -> None:
-    print(f"soak: signal {signum}; stopping everything it started", file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)  # unwinds the ExitStack: every child and server is stopped
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     load_at_start = [round(x, 2) for x in os.getloadavg()]
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_signals_install("soak")
     with ExitStack() as exits:
         stack = stack_open(exits)
         say(f"soak: scratch {stack.workdir}; redis {stack.redis.kind}; mqtt {stack.broker.kind}")

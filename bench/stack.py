@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -177,3 +179,16 @@ def stack_open(exits: ExitStack, *, database_url: str | None = None) -> BenchSta
     supervisor = Supervisor(workdir / "logs", dict(os.environ))
     exits.callback(supervisor.stop_all)
     return BenchStack(workdir, namespace, redis, broker, supervisor)
+
+
+def stop_signals_install(tool: str) -> None:
+    """Make SIGTERM and SIGINT unwind the caller's ExitStack, so every child and server it
+    started is stopped (SIGINT too when started in the background, where the shell leaves
+    it ignored)."""
+
+    def terminate(signum: int, frame: object) -> None:
+        print(f"{tool}: signal {signum}; stopping everything it started", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
