@@ -2,17 +2,14 @@
 
 import uuid
 
-from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from devices.models import Device, DeviceGroup
 
-
-class OnFailure(models.TextChoices):
-    ABORT = "abort", "Abort the run"
-    CONTINUE = "continue", "Continue with the next step"
-    ROLLBACK = "rollback", "Roll back completed steps"
+# Defined apart so jobs/validation.py need not import the models; `from jobs.models import
+# StepKind` keeps working.
+from .choices import OnFailure, StepKind
 
 
 class JobTemplate(models.Model):
@@ -33,12 +30,6 @@ class JobTemplate(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-
-class StepKind(models.TextChoices):
-    COMMAND = "command", "Send a command"
-    DELAY = "delay", "Wait a number of seconds"
-    WAIT_ONLINE = "wait_online", "Wait until the device is online"
 
 
 class JobStep(models.Model):
@@ -123,13 +114,6 @@ class JobStep(models.Model):
         if self.labels:
             return "labels " + ",".join(f"{k}={v}" for k, v in self.labels.items())
         return "-"
-
-    def clean(self) -> None:
-        from .validation import step_errors
-
-        errors = step_errors(self)
-        if errors:
-            raise ValidationError(errors)
 
 
 class RunStatus(models.TextChoices):

@@ -13,6 +13,7 @@ from typing import Any
 from devices.protocol import ACTION_RE
 
 from . import templating
+from .choices import StepKind
 
 # What an args reference may start with.
 REFERENCE_ROOTS = ("params", "steps", "run", "device")
@@ -24,8 +25,6 @@ def _target_count(step) -> int:
 
 def step_errors(step) -> dict[str, str]:
     """Errors of one step on its own, keyed by field name."""
-    from .models import StepKind
-
     errors: dict[str, str] = {}
     targets = _target_count(step)
     if step.kind == StepKind.DELAY:

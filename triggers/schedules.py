@@ -12,6 +12,7 @@ import json
 import logging
 from datetime import datetime, timedelta
 
+from celery import current_app
 from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
@@ -26,6 +27,8 @@ from .validation import crontab_fields
 log = logging.getLogger(__name__)
 
 FIRE_TASK = "triggers.schedule_fire"
+# Named, not imported: triggers/tasks.py imports this module to call the services.
+QUEUED_START_TASK = "triggers.schedule_queued_start"
 # Beat fires a crontab at most once a minute, so a crontab's shortest period is 60 s.
 CRONTAB_MIN_PERIOD_SECONDS = 60
 # A fire closer than this fraction of the period to the previous one is a duplicate; half
@@ -203,9 +206,7 @@ def run_ended(sender, instance: RunEvent, created: bool, **kwargs) -> None:
 
 
 def _queued_start_enqueue(schedule_id: int) -> None:
-    from .tasks import schedule_queued_start_task
-
-    schedule_queued_start_task.delay(schedule_id)
+    current_app.signature(QUEUED_START_TASK, args=(schedule_id,)).delay()
 
 
 def schedule_deleted(sender, instance: Schedule, **kwargs) -> None:

@@ -20,8 +20,20 @@ from devices.models import DeviceGroup, labels_validate
 
 from ..models import JobRun, JobStep, JobTemplate, Trigger
 from ..services import RunStartError, run_start, run_start_each
-from ..validation import template_errors
+from ..validation import step_errors, template_errors
 from .display import run_url
+
+
+class JobStepForm(forms.ModelForm):
+    """One step: its own checks (jobs/validation.py) reported on its fields."""
+
+    def _post_clean(self) -> None:
+        # Where Django runs the model's own clean(): after the instance has the form's
+        # values, so the errors land on the same fields (as UserCreationForm does too).
+        super()._post_clean()
+        errors = step_errors(self.instance)
+        if errors:
+            self._update_errors(ValidationError(errors))
 
 
 class JobStepFormSet(BaseInlineFormSet):
@@ -47,6 +59,7 @@ class JobStepFormSet(BaseInlineFormSet):
 
 class JobStepInline(admin.StackedInline):
     model = JobStep
+    form = JobStepForm
     formset = JobStepFormSet
     extra = 0
     ordering = ["position"]

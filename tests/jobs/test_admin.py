@@ -195,6 +195,20 @@ def test_template_with_bad_steps_shows_the_errors(client, boss):
     assert not JobStep.objects.filter(template__name__startswith="Broken").exists()
 
 
+def test_bad_step_errors_show_on_the_step_fields(client, boss):
+    steps = [
+        {"position": 0, "action": "unlock"},
+        {"position": 1, "kind": "delay", "delay_seconds": 0, "action": ""},
+        {"position": 2, "device": DeviceFactory().pk, "action": "bad action!"},
+    ]
+    response = client.post("/admin/jobs/jobtemplate/add/", template_form("Broken-3", steps))
+    assert response.status_code == 200
+    forms = response.context["inline_admin_formsets"][0].formset.forms
+    assert forms[0].errors["device"] == ["Choose exactly one target: device, device_param, group or labels."]
+    assert forms[1].errors["delay_seconds"] == ["A delay step needs delay_seconds > 0."]
+    assert forms[2].errors["action"] == ["Use letters, digits and . _ / - only."]
+
+
 # --- Run now ----------------------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """Demo data for the dev stack: SCENARIOS.md #1, two routines that share lamp-2; #5, a door
 sensor whose MQTT message starts a run; and a nightly schedule.
 
-The demo spans the apps (jobs, devices, triggers), so it imports triggers lazily: the
-engine itself never does.
+The demo spans the apps (devices, jobs, triggers), so it lives in the top one, triggers,
+and imports the others the way the layers allow.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 
 from devices.models import Device
+from iotqueue.mqtt import publisher
+from jobs.models import JobRun, JobStep, JobTemplate, StepStatus
+from jobs.services import run_start
 
-from .models import JobRun, JobStep, JobTemplate, StepStatus
-from .services import run_start
+from .models import Schedule, TriggerRule
+from .schedules import schedule_save
 
 DEVICES = {
     "gate-1": "Entrance gate",
@@ -78,9 +81,6 @@ def _template_seed(name: str, steps: list[tuple[str, str, dict]]) -> None:
 
 def _triggers_seed() -> None:
     """The door sensor's trigger rule, and the cleaning routine every night at 02:00 Berlin."""
-    from triggers.models import Schedule, TriggerRule
-    from triggers.schedules import schedule_save
-
     TriggerRule.objects.get_or_create(
         name=DOOR_RULE,
         defaults={
@@ -102,8 +102,6 @@ def _triggers_seed() -> None:
 
 def demo_door_open(*, door: int = 7, badge: str = "B-1042") -> str:
     """Publish what the door sensor sends (and one malformed message, which is dropped)."""
-    from iotqueue.mqtt import publisher
-
     topic = DOOR_TOPIC_FILTER.replace("+", str(door))
     publisher.publish(topic, b"badge=" + badge.encode())  # not JSON: recorded as message.dropped
     publisher.publish(topic, json.dumps({"badge": badge}).encode())

@@ -5,8 +5,8 @@ import time
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from jobs.demo import DOOR_RULE, demo_door_open, demo_seed, demo_trigger, run_progress_line
 from jobs.models import JobRun, Trigger
+from triggers.demo import DOOR_RULE, demo_door_open, demo_seed, demo_trigger, run_progress_line
 
 # How often the progress display re-reads the runs.
 POLL_SECONDS = 0.25
