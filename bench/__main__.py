@@ -15,7 +15,8 @@ from contextlib import ExitStack
 from typing import Any
 
 from .cpu import cpu_report, cpu_sample
-from .stack import BenchStack, stack_open, stop_signals_install
+from .sql_count import counts_read, counts_report
+from .stack import SQL_COUNTED_CHILDREN, BenchStack, stack_open, stop_signals_install
 
 # Runs sent and awaited before measuring, so that worker children have imported everything
 # and opened their database, Redis and MQTT connections (the baseline warms up likewise).
@@ -56,6 +57,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paced-runs", type=int, default=50, help="runs of the paced phase (0: skip)")
     parser.add_argument("--seconds-timeout", type=float, default=120.0, help="limit for each phase")
     parser.add_argument("--skip-baseline", action="store_true", help="no raw Celery baseline")
+    parser.add_argument(
+        "--no-sql-count",
+        action="store_true",
+        help="run worker and bridge without bench.sql_count (no statement or commit counts)",
+    )
     parser.add_argument(
         "--database-url",
         default=None,
@@ -143,12 +149,16 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
     saturated = templates("saturated", args.runs, args.shared)
     paced = templates("paced", args.paced_runs, 0.0)
     say(f"engine: {args.devices} devices ({SHARED_DEVICES} shared), worker prefork x2, bridge, beat")
-    stack.engine_start()
+    counting = not args.no_sql_count
+    stack.engine_start(sql_count=counting)
     simulator = TimedSimulator(dict.fromkeys(fleet.names, INSTANT), url=stack.broker.url, seed=SEED)
     simulator.start()
     exits.callback(simulator.stop)
 
     def phase(tag: str, runs: list, interval: float = 0.0) -> dict[str, Any]:
+        # Read after the previous phase's last counts have reached Redis (settle), and again
+        # once this phase's have: a few idle monitor ticks fall inside, nothing else.
+        sql_before = counts_read(SQL_COUNTED_CHILDREN) if counting else None
         before = cpu_sample(stack.cpu_roots())
         started, run_ids = workload.phase_run(
             runs, tag=tag, timeout=args.seconds_timeout, say=say, interval=interval
@@ -156,6 +166,11 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
         after = cpu_sample(stack.cpu_roots())
         measured = workload.phase_measure(tag=tag, started=started, run_ids=run_ids, simulator=simulator)
         measured["cpu"] = cpu_report(before, after, steps=measured["steps"])
+        per_step = measured["cpu"]["ms_per_step"]
+        measured["cpu_ms_per_step"] = round(sum(per_step.get(c, 0.0) for c in SQL_COUNTED_CHILDREN), 2)
+        if sql_before is not None:
+            sql_after = counts_read(SQL_COUNTED_CHILDREN)
+            measured["sql"] = counts_report(sql_before, sql_after, steps=measured["steps"])
         _phase_say(measured)
         return measured
 
@@ -186,6 +201,12 @@ def _phase_say(phase: dict[str, Any]) -> None:
         f"  cpu ms/step {cpu['ms_per_step']}; cores busy: ours {cpu['ours_cores']}, "
         f"others {cpu.get('others_cores', '?')}"
     )
+    if sql := phase.get("sql"):
+        say(
+            f"  worker + bridge per step: {sql['statements_per_step']} statements, "
+            f"{sql['commits_per_step']} commits ({sql['autocommits_per_step']} of them autocommit), "
+            f"{phase['cpu_ms_per_step']} cpu ms"
+        )
 
 
 def _monitor_phase(stack: BenchStack) -> dict[str, Any]:
@@ -219,6 +240,9 @@ def _result(
         "handoff_p99_ms": saturated["handoff_ms"]["p99"],
         "paced_handoff_p50_ms": paced.get("handoff_ms", {}).get("p50"),
         "paced_handoff_p99_ms": paced.get("handoff_ms", {}).get("p99"),
+        "commits_per_step": saturated.get("sql", {}).get("commits_per_step"),
+        "statements_per_step": saturated.get("sql", {}).get("statements_per_step"),
+        "cpu_ms_per_step": saturated["cpu_ms_per_step"],
         "overlaps": engine["simulator"]["overlaps"],
         "token_regressions": engine["simulator"]["token_regressions"],
         "devices": args.devices,

@@ -33,6 +33,8 @@ READY_TIMEOUT_SECONDS = 60.0
 EPOCH_TIMEOUT_SECONDS = 30.0
 READY_PATTERNS = {"worker": r"@\S+ ready\.", "bridge": r"bridge: connected", "beat": r"beat: Starting"}
 ENGINE_CHILDREN = ("worker", "bridge", "beat")
+# The children whose SQL bench.sql_count counts (beat runs none with its file schedule).
+SQL_COUNTED_CHILDREN = ("worker", "bridge")
 # Log lines that explain a failed phase: errors, and the exception line closing a traceback.
 ERROR_RE = re.compile(r"ERROR|CRITICAL|^\w*(Error|Exception): ")
 ERROR_LINES_SHOWN = 5
@@ -77,12 +79,20 @@ class BenchStack:
             "baseline-worker", [*argv, "--queues", self.baseline_queue, "--include", "bench.tasks"]
         )
 
-    def engine_start(self) -> None:
-        """Worker, bridge and beat (file schedule, as the tests use), then the lock epoch."""
+    def engine_start(self, *, sql_count: bool = False) -> None:
+        """Worker, bridge and beat (file schedule, as the tests use), then the lock epoch.
+
+        With `sql_count`, the worker (pool children included) and the bridge run under
+        bench.sql_count, which counts their SQL statements and commits in Redis.
+        """
         from devices.locks import lock_epoch_exists
 
-        self.child_start("worker", worker_argv(concurrency=WORKER_CONCURRENCY, hostname=self.namespace))
-        self.child_start("bridge", manage_argv("bridge"))
+        worker = worker_argv(concurrency=WORKER_CONCURRENCY, hostname=self.namespace)
+        bridge = manage_argv("bridge")
+        if sql_count:
+            worker, bridge = sql_counted(worker, "worker"), sql_counted(bridge, "bridge")
+        self.child_start("worker", worker)
+        self.child_start("bridge", bridge)
         self.child_start("beat", beat_argv(self.workdir, scheduler="celery.beat:PersistentScheduler"))
         deadline = time.monotonic() + EPOCH_TIMEOUT_SECONDS
         while not lock_epoch_exists():
@@ -112,6 +122,14 @@ class BenchStack:
             for line in lines[-ERROR_LINES_SHOWN:]:
                 say(f"  {name}: {line}")
         say(f"  logs: {self.log_dir()}")
+
+
+def sql_counted(argv: list[str], component: str) -> list[str]:
+    """`python -m celery ARGS` / `python manage.py ARGS` under bench.sql_count, ARGS unchanged."""
+    python, rest = argv[0], argv[1:]
+    if rest[:1] == ["-m"]:
+        rest = rest[1:]
+    return [python, "-m", "bench.sql_count", "--component", component, *rest]
 
 
 def _database_create(exits: ExitStack, *, workdir: Path, namespace: str, server_url: str | None) -> str:
