@@ -22,8 +22,9 @@ header). Inside the body, `self.lock_fence` (bound tasks) or `task_lock_hold().f
 the fencing token to pass to the device; `self.lock_held` turns False if the lease was lost.
 
 How it fails:
-- Redis lost its lock state (NotReady): the task is sent again in NOT_READY_RETRY_SECONDS
-  (same id; the retry count is not touched) until the monitor has rebuilt the locks.
+- Redis lost its lock state (NotReady): the task rebuilds the locks itself
+  (devices/lock_recovery.py, one process at a time) and is sent again in
+  NOT_READY_RETRY_SECONDS (same id; the retry count is not touched).
 - The lease runs out while the body still runs (Redis unreachable for a whole lease, the
   process frozen): the monitor reclaims it and hands the device on; the body is NOT
   stopped. The extender logs an error and `lock_held` turns False; only a device that
@@ -66,6 +67,7 @@ from redis.exceptions import RedisError
 
 from iotqueue.redis_conn import SOCKET_TIMEOUT_SECONDS, redis_connection, redis_key
 
+from .lock_recovery import locks_rebuild
 from .locks import (
     Grant,
     NotReady,
@@ -73,8 +75,7 @@ from .locks import (
     device_lock_acquire,
     device_lock_dequeue,
     device_lock_extend,
-    device_lock_handoff,
-    device_lock_release,
+    device_lock_pass_on,
     device_lock_state,
     holder_name,
     holder_parse,
@@ -143,13 +144,6 @@ def task_unpark(task_id: str) -> None:
     redis_connection().delete(_parked_key(task_id))
 
 
-def _lock_pass_on(device: str, *, holder: str, fence: int) -> None:
-    """Release a lock its holder no longer needs and start whoever gets it next."""
-    grant = device_lock_release(device, holder=holder, fence=fence)
-    if grant is not None:
-        device_lock_handoff(device, grant)
-
-
 def task_handoff(device: str, grant: Grant) -> None:
     """Grant handler for "task" holders: send the parked task again, under the same id.
 
@@ -161,7 +155,7 @@ def task_handoff(device: str, grant: Grant) -> None:
     entry = task_parked(task_id)
     if entry is None:
         log.warning("lock on %s handed to %s, which is not parked; passing it on", device, grant.holder)
-        _lock_pass_on(device, holder=grant.holder, fence=grant.fence)
+        device_lock_pass_on(device, holder=grant.holder, fence=grant.fence)
         return
     device_lock_extend(device, holder=grant.holder, fence=grant.fence, lease_seconds=entry["lease_seconds"])
     # Before sending: if the task parks again, its own write clears this expiry.
@@ -180,7 +174,7 @@ def task_lock_abandon(*, device: str, task_id: str) -> None:
         return
     state = device_lock_state(device)
     if state.holder == holder and state.fence is not None:
-        _lock_pass_on(device, holder=holder, fence=state.fence)
+        device_lock_pass_on(device, holder=holder, fence=state.fence)
 
 
 # --- the task base class ---------------------------------------------------------------
@@ -216,7 +210,7 @@ def _lease_keep(hold: LockHold, lease_seconds: float, stop: threading.Event) -> 
 def _lock_release(hold: LockHold) -> None:
     """Release the body's lock and start the next holder; failures are logged, not raised."""
     try:
-        _lock_pass_on(hold.device, holder=hold.holder, fence=hold.fence)
+        device_lock_pass_on(hold.device, holder=hold.holder, fence=hold.fence)
     except Exception:
         log.exception(
             "releasing %s on %s failed; the lease expires and the monitor passes the lock on",
@@ -306,6 +300,7 @@ class DeviceLockedTask(Task):
         task_unpark(request.id)
         if isinstance(outcome, NotReady):
             log.warning("device locks are being rebuilt; %s[%s] is sent again", self.name, request.id)
+            locks_rebuild()  # no-op when another process is already at it
             sig.apply_async(countdown=NOT_READY_RETRY_SECONDS)
             raise Ignore()
         return outcome
