@@ -116,6 +116,30 @@ def _after_fork() -> None:
         _pending[field] = 0
     _flusher_started = False
     _client = None
+    _profile_start()
+
+
+# BENCH_PROFILE_DIR=<dir>: each process forked from a counted one (prefork children) runs
+# under cProfile and writes <dir>/<component>-<pid>.prof when it exits; read them with
+# `python -m pstats`. For finding where a step's CPU goes, not for the reported figures.
+_profile = None
+
+
+def _profile_start() -> None:
+    global _profile
+    directory = os.environ.get("BENCH_PROFILE_DIR")
+    if not directory:
+        return
+    import cProfile
+
+    _profile = cProfile.Profile()
+    _profile.enable()
+
+
+def _profile_write(**kwargs: Any) -> None:
+    if _profile is not None:
+        _profile.disable()
+        _profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE_DIR"], f"{_component}-{os.getpid()}.prof"))
 
 
 def _statement(execute, sql, params, many, context):
@@ -166,6 +190,7 @@ def install(component: str) -> None:
     except ImportError:
         return
     worker_process_shutdown.connect(_flush, weak=False, dispatch_uid="bench.sql_count")
+    worker_process_shutdown.connect(_profile_write, weak=False, dispatch_uid="bench.sql_count.profile")
 
 
 def component_guess(args: list[str]) -> str:

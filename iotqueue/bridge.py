@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 from django.conf import settings
 from django.db import close_old_connections
 
+from .batching import batchers_flush
 from .metrics import BRIDGE_MESSAGES, counter_buffer
 from .mqtt import client_connect, client_create
 
@@ -142,6 +143,7 @@ class Bridge:
         finally:
             self.client.disconnect()
             self.client.loop_stop()
+            batchers_flush()  # replies grouped but not yet handed off
             close_old_connections()
             counter_buffer.flush()
 

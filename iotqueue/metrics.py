@@ -190,6 +190,16 @@ class MetricsBatch:
         self._ops.append(("hincrbyfloat", family.key, head + SUM, value))
         return self
 
+    def extend(self, other: MetricsBatch) -> MetricsBatch:
+        self._ops.extend(other._ops)
+        return self
+
+    def pipe_add(self, pipe) -> None:
+        """Queue the increments on a caller's pipeline (sent with its other commands)."""
+        ops, self._ops = self._ops, []
+        for method, key, field, amount in ops:
+            getattr(pipe, method)(key, field, amount)
+
     def send(self) -> None:
         """Apply the increments; a Redis failure is logged and the increments are lost."""
         if not self._ops:

@@ -13,6 +13,7 @@ import ssl
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import paho.mqtt.client as mqtt
@@ -157,6 +158,28 @@ class Publisher:
             # client together with its queue.
             self.close()
             raise
+
+    def publish_nowait(self, messages: list[tuple[str, bytes]], *, qos: int = 1) -> list[Any]:
+        """Hand messages to the client without waiting for the broker.
+
+        Per message: its MQTTMessageInfo (`is_published()` turns True when the broker's
+        PUBACK arrives) or, when it could not even be queued, why. The caller checks the
+        infos later (`unconfirmed_close` when one is overdue).
+        """
+        if not messages:
+            return []
+        client = self._client_get()
+        if not self._connected.wait(CONNECT_TIMEOUT_SECONDS):
+            address = broker_address()
+            return [f"not connected to MQTT broker at {address.host}:{address.port}"] * len(messages)
+        outcomes: list[Any] = []
+        for topic, payload in messages:
+            info = client.publish(topic, payload, qos=qos)
+            if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                outcomes.append(info)
+            else:
+                outcomes.append(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        return outcomes
 
     def close(self) -> None:
         with self._lock:

@@ -171,6 +171,11 @@ IOTQUEUE_RECONCILE_SECONDS = env.float("IOTQUEUE_RECONCILE_SECONDS", default=30.
 IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", default=60.0)
 # Finished runs (with their steps and events) older than this are deleted, hourly.
 IOTQUEUE_RETENTION_DAYS = env.float("IOTQUEUE_RETENTION_DAYS", default=30.0)
+# The bridge hands device replies to the worker in groups (one task, one transaction):
+# a group is sent when this many replies wait, or when no new one came for this long.
+# Under load groups grow by themselves; at low load a reply waits only the idle time.
+IOTQUEUE_REPLY_BATCH_MAX = env.int("IOTQUEUE_REPLY_BATCH_MAX", default=64)
+IOTQUEUE_REPLY_BATCH_IDLE_MS = env.float("IOTQUEUE_REPLY_BATCH_IDLE_MS", default=1.0)
 # A trigger repeating an idempotency key within this window gets the existing run back;
 # after it, the key starts a new run.
 IOTQUEUE_IDEMPOTENCY_HOURS = env.float("IOTQUEUE_IDEMPOTENCY_HOURS", default=24.0)

@@ -1,3 +1,4 @@
+from celery import current_app
 from django.apps import AppConfig
 
 
@@ -7,18 +8,32 @@ class JobsConfig(AppConfig):
 
     def ready(self) -> None:
         from devices import protocol
+        from devices.lock_recovery import (
+            lease_expiry_register,
+            rebuild_after_register,
+            rebuild_source_register,
+        )
+        from devices.locks import grant_handler_register
         from devices.presence import device_presence_changed
         from iotqueue.bridge import dynamic_topics_register, handler_register
 
-        from . import engine, replies  # noqa: F401  (engine registers its lock hand-off)
+        from . import engine, replies, step_locks  # engine: importing it fills its registries
+        from .engine.dispatch import step_handoff
 
+        # The device lock starts, reclaims and rebuilds "step:" holders through these.
+        grant_handler_register(engine.plan.HOLDER_KIND, step_handoff)
+        lease_expiry_register(engine.plan.HOLDER_KIND, step_locks.step_lease_expired)
+        rebuild_source_register(step_locks.step_lock_records)
+        rebuild_after_register(step_locks.steps_after_rebuild)
         for kind in protocol.REPLY_KINDS:
             handler_register(protocol.device_topic("+", kind), replies.reply_message_handle)
         dynamic_topics_register(replies.legacy_reply_topics)
         device_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
 
 
-def _presence_changed(sender, *, name: str, online: bool, **kwargs) -> None:
-    from .tasks import device_presence_task
+# The task that lets runs react to a device's presence (jobs/tasks.py), by name.
+PRESENCE_TASK = "jobs.device_presence"
 
-    device_presence_task.delay(name, online)
+
+def _presence_changed(sender, *, name: str, online: bool, **kwargs) -> None:
+    current_app.signature(PRESENCE_TASK, args=(name, online)).delay()

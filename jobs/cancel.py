@@ -7,21 +7,16 @@ import uuid
 from django.utils import timezone
 
 from devices import protocol
-from devices.locks import (
-    device_lock_dequeue,
-    device_lock_handoff,
-    device_lock_release,
-    device_lock_state,
-    holder_parse,
-)
+from devices.locks import device_lock_dequeue, device_lock_pass_on, device_lock_state
 from devices.models import Device
 from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
-from .engine import HOLDER_KIND, RUN_ACTIVE, lock_pass_on, step_acquire, step_holder
+from .engine.dispatch import step_acquire
+from .engine.plan import RUN_ACTIVE, holder_step_id, step_holder
+from .engine.runs import attempt_end_continue
 from .events import event_record
 from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
-from .outcomes import attempt_end
 
 CANCEL_ID_PREFIX = "cancel-"
 
@@ -55,7 +50,7 @@ def step_cancel(*, step_run: StepRun, reason: str) -> None:
     deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
         _cancel_command_send(step_run)
-        lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
+        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     elif step_run.device_id:
         device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
     event_record("step.canceled", step_run=step_run, message=reason)
@@ -87,10 +82,10 @@ def lock_force_release(*, device: Device, by: str) -> str | None:
     if state.holder is None:
         return None
     reason = f"lock force-released by {by or 'unknown'}"
-    kind, ident = holder_parse(state.holder)
+    step_id = holder_step_id(state.holder)
     step_run = None
-    if kind == HOLDER_KIND and ident.isdigit():
-        step_run = StepRun.objects.select_related("run", "device").filter(pk=int(ident)).first()
+    if step_id is not None:
+        step_run = StepRun.objects.select_related("run", "device").filter(pk=step_id).first()
     event_record(
         "lock.force_released",
         run=step_run.run if step_run else None,
@@ -100,11 +95,11 @@ def lock_force_release(*, device: Device, by: str) -> str | None:
         fence=state.fence,
     )
     if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == state.fence:
-        attempt_end(step_run=step_run, command_id=step_run.command_id, ok=False, error=reason, retryable=True)
+        attempt_end_continue(
+            step_run=step_run, command_id=step_run.command_id, ok=False, error=reason, retryable=True
+        )
         return state.holder
-    grant = device_lock_release(device.name, holder=state.holder, fence=state.fence or 0, force=True)
-    if grant is not None:
-        device_lock_handoff(device.name, grant)
+    device_lock_pass_on(device.name, holder=state.holder, fence=state.fence or 0, force=True)
     if step_run is not None and step_run.status == StepStatus.QUEUED:
         step_acquire(step_run=step_run)  # granted but not sent yet (e.g. spaced): back in the queue
     return state.holder

@@ -41,8 +41,17 @@ class Deadline:
         return cls(kind, int(step_run_id), int(attempt))
 
 
-def _key() -> str:
+def deadlines_key() -> str:
+    """The sorted set itself, for callers that write it inside a larger Redis call."""
     return redis_key("deadlines")
+
+
+def deadline_score(when: datetime | float) -> int:
+    """A due time as the set scores it (ms since the epoch)."""
+    return _ms(when)
+
+
+_key = deadlines_key
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from django.db import transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from iotqueue.metrics import (
@@ -29,6 +30,12 @@ from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, Step
 
 log = logging.getLogger("jobs.timeline")
 
+# Sent (with event=, the saved RunEvent) for every `run.<terminal status>` event, in the
+# transaction that ended the run: whether the event was saved alone or in a batch's
+# INSERT. Other apps hook the end of runs here (e.g. a schedule's waiting fire).
+run_ended = Signal()
+RUN_END_KINDS = frozenset(f"run.{status}" for status in RUN_TERMINAL)
+
 # Statuses that end an attempt that was dispatched: its dispatch -> end is a step duration.
 ATTEMPT_ENDS = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT, StepStatus.RETRYING)
 # Replies the engine (or the bridge) dropped, by the kind they count as on /metrics.
@@ -42,7 +49,7 @@ DROPPED_MESSAGE_KINDS = {
 LOGGED_FIELDS = ("index", "attempt", "command_id")
 
 
-def event_record(
+def event_new(
     kind: str,
     *,
     run: JobRun | None = None,
@@ -51,7 +58,7 @@ def event_record(
     message: str = "",
     **data: Any,
 ) -> RunEvent:
-    """Append an event, log it with the run, step, device and command id, count it."""
+    """An event not yet saved, logged already (for `events_insert` to write with others)."""
     if step_run is not None:
         run_id = step_run.run_id
         device = device or step_run.device_name
@@ -63,14 +70,53 @@ def event_record(
         run_id = run.pk if run is not None else None
     if log.isEnabledFor(logging.INFO):
         _event_log(kind, run_id, device, message, data)
-    event = RunEvent.objects.create(
-        run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data
-    )
+    return RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
+
+
+def event_record(
+    kind: str,
+    *,
+    run: JobRun | None = None,
+    step_run: StepRun | None = None,
+    device: str = "",
+    message: str = "",
+    **data: Any,
+) -> RunEvent:
+    """Append an event, log it with the run, step, device and command id, count it."""
+    event = event_new(kind, run=run, step_run=step_run, device=device, message=message, **data)
+    event.save(force_insert=True)
+    if kind in RUN_END_KINDS:
+        run_ended.send(sender=RunEvent, event=event)
     batch = event_metrics(kind, step_run)
     if batch:
         # Counted once the transition is committed: a rolled-back one never happened.
         transaction.on_commit(batch.send)
     return event
+
+
+class EventLog:
+    """The events of one batched transition: written in one INSERT, counted in one batch.
+
+    Metrics are taken when an event is added (from the step row as it is then), and sent
+    by the caller once the transaction committed.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[RunEvent] = []
+        self.metrics = MetricsBatch()
+
+    def add(self, kind: str, **fields: Any) -> None:
+        self.events.append(event_new(kind, **fields))
+        self.metrics.extend(event_metrics(kind, fields.get("step_run")))
+
+    def insert(self) -> None:
+        """Write the events gathered so far (one statement) and start afresh."""
+        if self.events:
+            events, self.events = self.events, []
+            RunEvent.objects.bulk_create(events)
+            for event in events:
+                if event.kind in RUN_END_KINDS:
+                    run_ended.send(sender=RunEvent, event=event)
 
 
 def _event_log(kind: str, run_id: Any, device: str, message: str, data: dict[str, Any]) -> None:

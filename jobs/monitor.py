@@ -15,27 +15,24 @@ import logging
 from collections import Counter
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
-from django.db.models import Exists, F, Max, OuterRef
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
-from devices.locks import (
-    device_lock_expired,
-    device_lock_restore,
-    holder_parse,
-    lock_epoch_exists,
-    lock_epoch_start,
-)
+from devices.lock_recovery import locks_maintain
 from iotqueue.metrics import MONITOR_ACTIONS, MetricsBatch
 from iotqueue.redis_conn import redis_connection, redis_key
 
 from .deadlines import Deadline, deadlines_claim, deadlines_set
-from .engine import HOLDER_KIND, lease_seconds, lock_pass_on, step_acquire, step_holder, step_spec
-from .events import event_record
-from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
-from .outcomes import attempt_end, run_continue
+from .engine.batch import inbox_apply
+from .engine.rollback import compensation_next
+from .engine.runs import run_continue
+from .inbox import inbox_reclaim
+from .models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .presence import step_resume
-from .rollback import compensation_next
+from .services import RUN_ADVANCE_TASK
+from .step_locks import DEADLINE_KIND_FOR_STATUS
 
 log = logging.getLogger(__name__)
 
@@ -44,39 +41,27 @@ CLAIM_BATCH = 500
 # Due deadlines handled per task: small enough that two workers share a burst, large
 # enough that enqueueing stays a small part of the tick.
 DEADLINES_PER_TASK = 25
-# An expired lease being reclaimed is pushed out this far so it is not claimed twice.
-LEASE_CLAIM_SECONDS = 30.0
-# Only one process rebuilds the locks at a time; this bounds a crashed rebuilder's hold.
-REBUILD_LOCK_SECONDS = 60
-
-DEADLINE_KIND_FOR_STATUS = {
-    StepStatus.QUEUED: "queue",
-    StepStatus.DISPATCHED: "done",
-    StepStatus.IN_PROGRESS: "done",
-    StepStatus.RETRYING: "retry",
-}
+# Tasks the monitor enqueues, named (jobs/tasks.py imports this module, not the reverse).
+DEADLINES_TASK = "jobs.step_deadlines"
 
 
 def monitor_tick() -> dict[str, int]:
     """Claim what is due and enqueue its handling; returns counts for logs and the bench."""
-    from .tasks import lease_reclaim_task, step_deadlines_task
-
-    rebuilt = False
-    if not lock_epoch_exists():
-        rebuilt = locks_rebuild()
+    # Lost lock state is rebuilt, and expired leases reclaimed, before any deadline acts.
+    locks = locks_maintain()
+    # Replies and run starts whose worker died after taking them (jobs/inbox.py).
+    inbox_reclaim(inbox_apply, count=CLAIM_BATCH)
     due = deadlines_claim(limit=CLAIM_BATCH)
     # One task per chunk, not per deadline: enqueueing is most of a tick's cost.
     for start in range(0, len(due), DEADLINES_PER_TASK):
-        step_deadlines_task.delay([d.member for d in due[start : start + DEADLINES_PER_TASK]])
-    expired = device_lock_expired(limit=CLAIM_BATCH, claim_seconds=LEASE_CLAIM_SECONDS)
-    for device, grant in expired:
-        lease_reclaim_task.delay(device, grant.holder, grant.fence)
+        chunk = [d.member for d in due[start : start + DEADLINES_PER_TASK]]
+        current_app.signature(DEADLINES_TASK, args=(chunk,)).delay()
     swept = 0
     interval = settings.IOTQUEUE_RECONCILE_SECONDS
     if redis_connection().set(redis_key("reconcile"), "1", nx=True, px=int(interval * 1000)):
         swept = reconcile()
-    _actions_count(due, leases=len(expired), swept=swept, rebuilt=rebuilt)
-    return {"deadlines": len(due), "leases": len(expired), "swept": swept}
+    _actions_count(due, leases=locks["leases"], swept=swept, rebuilt=bool(locks["rebuilt"]))
+    return {"deadlines": len(due), "leases": locks["leases"], "swept": swept}
 
 
 def _actions_count(due: list[Deadline], *, leases: int, swept: int, rebuilt: bool) -> None:
@@ -90,34 +75,8 @@ def _actions_count(due: list[Deadline], *, leases: int, swept: int, rebuilt: boo
     batch.send()
 
 
-def lease_reclaim(*, device: str, holder: str, fence: int) -> None:
-    """A holder's lease ran out: end its attempt if it is still executing, hand the lock on."""
-    kind, ident = holder_parse(holder)
-    step_run = None
-    if kind == HOLDER_KIND and ident.isdigit():
-        step_run = StepRun.objects.select_related("run", "device").filter(pk=int(ident)).first()
-    if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
-        attempt_end(
-            step_run=step_run,
-            command_id=step_run.command_id,
-            ok=False,
-            error="device lock lease expired",
-            retryable=True,
-            timed_out=True,
-        )
-        return
-    event_record(
-        "lock.reclaimed", device=device, message=f"lease of {holder} expired", holder=holder, fence=fence
-    )
-    lock_pass_on(device, holder=holder, fence=fence)
-    if step_run is not None and step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)  # was granted but never dispatched: queue again
-
-
 def reconcile() -> int:
     """Re-find, from the database, work whose Redis trace (deadline, task) was lost."""
-    from .tasks import run_advance_task
-
     now = timezone.now()
     # Overdue by a third of the sweep interval: the fast path (deadline set) had its chance.
     grace = timedelta(seconds=settings.IOTQUEUE_RECONCILE_SECONDS / 3)
@@ -135,7 +94,7 @@ def reconcile() -> int:
         )[:CLAIM_BATCH]
     )
     for run_id in unstarted:
-        run_advance_task.delay(str(run_id))
+        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
     stalled = (
         StepRun.objects.select_related("run", "device")
         .filter(run__status=RunStatus.RUNNING, index=F("run__cursor"), status__in=STEP_TERMINAL)
@@ -164,7 +123,7 @@ def reconcile() -> int:
         .values_list("pk", flat=True)[:CLAIM_BATCH]
     )
     for run_id in cursorless:
-        run_advance_task.delay(str(run_id))
+        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
     if overdue or unstarted or moved:
@@ -175,50 +134,3 @@ def reconcile() -> int:
             moved,
         )
     return len(overdue) + len(unstarted) + moved
-
-
-def locks_rebuild() -> bool:
-    """Rebuild device locks and deadlines from the database after Redis lost them.
-
-    Runs in one process at a time. Fence counters are raised to the highest fence the
-    database has seen, each executing step gets its lock back, then grants resume and every
-    queued step asks for its lock again (oldest first). False if another process is at it.
-    """
-    conn = redis_connection()
-    if not conn.set(redis_key("lock-rebuild"), "1", nx=True, ex=REBUILD_LOCK_SECONDS):
-        return False
-    try:
-        log.warning("device locks: Redis has no lock state; rebuilding from the database")
-        executing = {
-            s.device.name: s
-            for s in StepRun.objects.select_related("run", "device").filter(
-                status__in=STEP_IN_FLIGHT, command_id__isnull=False
-            )
-        }
-        floors = (
-            StepRun.objects.filter(fence__isnull=False).values_list("device__name").annotate(top=Max("fence"))
-        )
-        for device, top in floors:
-            holder = executing.get(device)
-            device_lock_restore(
-                device,
-                holder=step_holder(holder) if holder else None,
-                fence=holder.fence if holder else top,
-                floor=top,
-                lease_seconds=lease_seconds(step_spec(holder)) if holder else 0,
-            )
-        active = StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__isnull=False)
-        entries = {
-            Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt): deadline
-            for pk, status, attempt, deadline in active.values_list("pk", "status", "attempt", "deadline")
-        }
-        if entries:
-            deadlines_set(entries)
-        lock_epoch_start()
-        queued = StepRun.objects.select_related("run", "device").filter(status=StepStatus.QUEUED)
-        for step_run in queued.order_by("queued_at", "pk"):
-            step_resume(step_run=step_run)
-        log.warning("device locks rebuilt: %d executing, %d queued", len(executing), len(entries))
-        return True
-    finally:
-        conn.delete(redis_key("lock-rebuild"))

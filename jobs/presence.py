@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from .engine import step_acquire, step_spec
+from .engine.dispatch import step_acquire
+from .engine.plan import step_spec
+from .engine.waits import wait_online_check
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
-from .waits import wait_online_check
 
 
 def device_online(*, name: str) -> int:

@@ -1,21 +1,33 @@
-"""Bridge handlers for device replies: validate and correlate cheaply, hand off to Celery.
+"""Bridge handlers for device replies: validate cheaply, hand off to Celery in groups.
 
-Malformed messages are dropped here with a `message.dropped` event. An ack or progress for
-a current attempt is applied here in one statement (a task per ack would double the
-engine's work per step); a `done`, and anything that matches no current attempt, goes to
-the `step_reply` task, which checks it against the database (unknown, foreign, stale).
+Malformed messages are dropped here with a `message.dropped` event. Every valid ack,
+progress and done joins the bridge's reply batcher (iotqueue/batching.py), which hands
+the replies that arrived together to the workers as one group (jobs/inbox.py): a
+worker applies what has gathered in one transaction and one lock call
+(jobs/engine/batch.py), and checks each reply against the database there (current,
+stale, unknown, foreign). The bridge itself reads and writes no row per reply.
 """
 
 from __future__ import annotations
 
+from django.conf import settings
+
 from devices import protocol
 from devices.models import Device
+from iotqueue.batching import Batcher
 from iotqueue.bridge import Handler
 from iotqueue.metrics import BRIDGE_MESSAGES, counter_buffer
 
 from .events import event_record
-from .outcomes import step_ack_apply
-from .tasks import step_reply_task
+from .inbox import replies_enqueue
+
+# Replies that arrive together go to the workers as one group ([[device, payload], ...]).
+reply_batcher = Batcher(
+    replies_enqueue,
+    max_items=settings.IOTQUEUE_REPLY_BATCH_MAX,
+    idle_seconds=settings.IOTQUEUE_REPLY_BATCH_IDLE_MS / 1000,
+    name="replies",
+)
 
 
 def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> None:
@@ -27,9 +39,7 @@ def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> N
         event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
         return
     counter_buffer.add(BRIDGE_MESSAGES, "accepted")
-    if reply.kind != "done" and step_ack_apply(device=device, reply=reply):
-        return  # the common ack/progress: applied in one statement, no task
-    step_reply_task.delay(device, reply.as_task_payload())
+    reply_batcher.add([device, reply.as_task_payload()])
 
 
 def reply_message_handle(topic: str, payload: bytes) -> None:

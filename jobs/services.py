@@ -9,8 +9,14 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from .engine.plan import fanout_devices
 from .events import event_record
+from .inbox import run_enqueue
 from .models import JobRun, JobTemplate, Trigger
+
+# The task that (re)starts a run at its cursor, by name (jobs/tasks.py sits above this
+# module); the monitor sends it for runs its sweep finds stuck.
+RUN_ADVANCE_TASK = "jobs.run_advance"
 
 
 class RunStartError(ValueError):
@@ -120,9 +126,7 @@ def run_start(
 
 
 def _run_enqueue(run: JobRun) -> None:
-    from .tasks import run_advance_task
-
-    run_advance_task.delay(str(run.pk))
+    run_enqueue(str(run.pk))  # started with whatever else the engine is doing (jobs/inbox.py)
 
 
 def run_start_each(
@@ -138,8 +142,6 @@ def run_start_each(
     Each run gets the device's name as parameter `device`; steps address it with
     device_param "device". The devices are those enabled when the trigger fires.
     """
-    from .fanout import fanout_devices
-
     devices = fanout_devices({"group": group, "labels": labels or {}})
     if not devices:
         raise RunStartError("for_each", "no enabled device matches")

@@ -7,47 +7,72 @@ compare-and-sets on (step, attempt, command id, fence).
 import logging
 
 from celery import shared_task
+from django.conf import settings
+from django.db import DatabaseError
+from redis.exceptions import RedisError
 
 from devices.protocol import Reply
 
-from . import cancel, engine, monitor, outcomes, presence, retention
+from . import cancel, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
+from .engine import batch, dispatch, due, reply
 from .models import JobRun
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="jobs.run_advance")
+@shared_task(name=services.RUN_ADVANCE_TASK)
 def run_advance_task(run_id: str) -> None:
-    engine.run_advance(run_id=run_id)
+    try:
+        batch.run_begin(run_id=run_id)
+    finally:
+        dispatch.commands_settle()
+
+
+@shared_task(
+    bind=True,
+    name=inbox.DRAIN_TASK,
+    autoretry_for=(DatabaseError, RedisError, batch.BatchRetry),
+    default_retry_delay=0.2,
+    max_retries=10,
+)
+def inbox_drain_task(self, items: list[list] | None = None) -> int:
+    """Apply what waits in the engine's inbox (jobs/inbox.py); or `items` (replies) given."""
+    try:
+        if items:
+            batch.inbox_apply(inbox.Work(replies=items))
+            return len(items)
+        return inbox.inbox_drain(
+            batch.inbox_apply, batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX, retried=self.request.retries > 0
+        )
+    finally:
+        dispatch.commands_settle()
 
 
 @shared_task(name="jobs.step_reply")
-def step_reply_task(device: str, reply: dict) -> None:
-    outcomes.step_reply(device=device, reply=Reply(**reply))
+def step_reply_task(device: str, payload: dict) -> None:
+    reply.step_reply(device=device, reply=Reply(**payload))
 
 
-@shared_task(name="jobs.step_deadlines")
+@shared_task(name=monitor.DEADLINES_TASK)
 def step_deadlines_task(members: list[str]) -> None:
     """A chunk of due deadlines; one failing does not stop the others."""
     for member in members:
         try:
-            outcomes.step_deadline(deadline=Deadline.parse(member))
+            due.step_deadline(deadline=Deadline.parse(member))
         except Exception:
             log.exception("deadline %s failed; the database sweep will find its step again", member)
 
 
-@shared_task(name="jobs.lease_reclaim")
-def lease_reclaim_task(device: str, holder: str, fence: int) -> None:
-    monitor.lease_reclaim(device=device, holder=holder, fence=fence)
-
-
 @shared_task(name="jobs.monitor_tick")
 def monitor_tick_task() -> dict:
-    return monitor.monitor_tick()
+    try:
+        return monitor.monitor_tick()
+    finally:
+        dispatch.commands_settle()
 
 
-@shared_task(name="jobs.device_presence")
+@shared_task(name="jobs.device_presence")  # sent by jobs/apps.py
 def device_presence_task(name: str, online: bool) -> None:
     if online:
         presence.device_online(name=name)

@@ -8,16 +8,16 @@ class TriggersConfig(AppConfig):
     name = "triggers"
 
     def ready(self) -> None:
-        from django.db.models.signals import post_delete, post_save
+        from django.db.models.signals import post_delete
 
         from iotqueue.bridge import dynamic_topics_register
-        from jobs.models import RunEvent
+        from jobs.events import run_ended
 
         from . import rules, schedules
         from .models import Schedule
 
         dynamic_topics_register(rules.rule_topics)
-        post_save.connect(schedules.run_ended, sender=RunEvent, dispatch_uid="triggers.run_ended")
+        run_ended.connect(schedules.run_ended, dispatch_uid="triggers.run_ended")
         post_delete.connect(
             schedules.schedule_deleted, sender=Schedule, dispatch_uid="triggers.schedule_deleted"
         )

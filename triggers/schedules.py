@@ -34,8 +34,6 @@ CRONTAB_MIN_PERIOD_SECONDS = 60
 # A fire closer than this fraction of the period to the previous one is a duplicate; half
 # leaves room for delivery jitter either way without merging two genuine fires.
 DUPLICATE_FRACTION = 0.5
-# The run-end events that hand the lock of "one run at a time" to a queued fire.
-RUN_END_KINDS = frozenset(f"run.{status}" for status in RUN_TERMINAL)
 
 
 def periodic_task_name(schedule: Schedule) -> str:
@@ -190,17 +188,15 @@ def _scheduled_run_start(schedule: Schedule, fire: int) -> JobRun | None:
     return run
 
 
-def run_ended(sender, instance: RunEvent, created: bool, **kwargs) -> None:
-    """post_save of RunEvent: when a scheduled run ends, start its schedule's waiting fire.
+def run_ended(sender, event: RunEvent, **kwargs) -> None:
+    """jobs.events.run_ended: when a scheduled run ends, start its schedule's waiting fire.
 
-    The engine ends runs with queryset updates (no model signal) but always records a
-    `run.<status>` event; that event is the hook. The start is a task after commit, so
-    the engine's transaction stays short. If this hand-off is lost, the schedule's next
-    fire starts the run instead.
+    The start is a task after commit, so the engine's transaction stays short. If this
+    hand-off is lost, the schedule's next fire starts the run instead.
     """
-    if not created or instance.run_id is None or instance.kind not in RUN_END_KINDS:
+    if event.run_id is None:
         return
-    waiting = ScheduledRun.objects.filter(run_id=instance.run_id, schedule__queued_fire__isnull=False)
+    waiting = ScheduledRun.objects.filter(run_id=event.run_id, schedule__queued_fire__isnull=False)
     for schedule_id in waiting.values_list("schedule_id", flat=True):
         transaction.on_commit(lambda schedule_id=schedule_id: _queued_start_enqueue(schedule_id))
 

@@ -13,7 +13,7 @@ from devices.locks import holder_parse
 from devices.models import Device
 
 from ..cancel import lock_force_release
-from ..engine import HOLDER_KIND
+from ..engine.plan import HOLDER_KIND
 from ..models import StepRun
 from .display import run_url
 

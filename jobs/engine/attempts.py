@@ -1,0 +1,170 @@
+"""Ending an attempt: success, failure, retry or timeout, decided once per attempt.
+
+An attempt ends exactly once, by a compare-and-set on its command id and fence while the
+step is in flight: the device's `done`, a deadline (no ack / no done in time), an
+operator force-releasing the lock, or the lock's lease running out. A failed attempt with
+budget left goes to `retrying` with an exponential, jittered back-off held in the
+deadline set (never a Celery countdown); otherwise the step row ends. Whatever ended the
+attempt, the device lock is passed on to the next waiter. Moving the run on after a row
+ended for good is the next stage (jobs/engine/runs.py).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from devices.locks import device_lock_dequeue, device_lock_pass_on
+
+from ..deadlines import Deadline, deadlines_clear, deadlines_set
+from ..events import event_record
+from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
+from .dispatch import dispatch_if_holding, step_acquire
+from .plan import step_holder, step_spec
+
+# Longest back-off between attempts, whatever the step's base and attempt count say.
+BACKOFF_MAX_SECONDS = 3600.0
+# Deadlines that guard an attempt in flight; all go when it ends.
+ATTEMPT_DEADLINES = ("ack", "done", "send")
+
+
+def backoff_seconds(base: float, attempt: int) -> float:
+    """Exponential back-off with "equal jitter": between half and all of base * 2^(n-1)."""
+    ceiling = min(BACKOFF_MAX_SECONDS, base * 2 ** max(0, attempt - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ends: the row's new fields, and whether another attempt follows."""
+
+    status: str
+    changes: dict[str, Any]
+    retry: bool
+    message: str
+
+
+def attempt_outcome(
+    step_run: StepRun,
+    *,
+    ok: bool,
+    result: dict | None = None,
+    error: str = "",
+    retryable: bool = False,
+    timed_out: bool = False,
+    now: datetime,
+) -> Outcome:
+    """Decide (without writing) how the in-flight attempt of `step_run` ends."""
+    spec = step_spec(step_run)
+    retry = not ok and retryable and step_run.attempt < spec["max_attempts"]
+    if ok:
+        status = StepStatus.SUCCEEDED
+    elif retry:
+        status = StepStatus.RETRYING
+    else:
+        status = StepStatus.TIMED_OUT if timed_out else StepStatus.FAILED
+    changes: dict[str, Any] = {"status": status, "error": error, "finished_at": None if retry else now}
+    if ok:
+        changes.update(result=result or {}, progress=100)
+    if retry:
+        changes["deadline"] = now + timedelta(
+            seconds=backoff_seconds(spec["backoff_seconds"], step_run.attempt)
+        )
+    message = error if not retry else f"{error}; retry {step_run.attempt + 1} of {spec['max_attempts']}"
+    return Outcome(status, changes, retry, message)
+
+
+def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadline], dict[Deadline, datetime]]:
+    """The deadlines an ended attempt clears, and the retry deadline it sets (if any)."""
+    cleared = [Deadline(kind, step_run.pk, step_run.attempt) for kind in ATTEMPT_DEADLINES]
+    retry = (
+        {Deadline("retry", step_run.pk, step_run.attempt): outcome.changes["deadline"]}
+        if outcome.retry
+        else {}
+    )
+    return cleared, retry
+
+
+def attempt_end(
+    *,
+    step_run: StepRun,
+    command_id: str,
+    ok: bool,
+    result: dict | None = None,
+    error: str = "",
+    retryable: bool = False,
+    timed_out: bool = False,
+) -> bool:
+    """End the in-flight attempt `command_id` once; False when it had already ended.
+
+    The row is updated in memory too; the caller continues the run when the row ended
+    for good (status not `retrying`).
+    """
+    outcome = attempt_outcome(
+        step_run,
+        ok=ok,
+        result=result,
+        error=error,
+        retryable=retryable,
+        timed_out=timed_out,
+        now=timezone.now(),
+    )
+    with transaction.atomic():
+        ended = StepRun.objects.filter(
+            pk=step_run.pk, command_id=command_id, fence=step_run.fence, status__in=STEP_IN_FLIGHT
+        ).update(**outcome.changes)
+        if not ended:
+            event_record(
+                "reply.stale", step_run=step_run, message="outcome for an attempt that already ended"
+            )
+            return False
+        for field, value in outcome.changes.items():
+            setattr(step_run, field, value)
+        event_record(f"step.{outcome.status}", step_run=step_run, message=outcome.message)
+    cleared, retry = attempt_deadlines(step_run, outcome)
+    deadlines_clear(cleared)
+    deadlines_set(retry)
+    device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
+    return True
+
+
+def step_requeue(*, step_run: StepRun) -> None:
+    """Back-off over: wait for the device's lock again for the next attempt."""
+    spec = step_spec(step_run)
+    now = timezone.now()
+    deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
+    if not StepRun.objects.filter(
+        pk=step_run.pk, status=StepStatus.RETRYING, attempt=step_run.attempt
+    ).update(status=StepStatus.QUEUED, queued_at=now, deadline=deadline):
+        return
+    step_run.status, step_run.queued_at, step_run.deadline = StepStatus.QUEUED, now, deadline
+    event_record("step.queued", step_run=step_run, message=f"for attempt {step_run.attempt + 1}")
+    step_acquire(step_run=step_run)
+
+
+def step_queue_timeout(*, step_run: StepRun) -> bool:
+    """Waited too long for a busy or offline device: the step times out (True).
+
+    Unless the step holds the device's lock already (its hand-off was lost with a killed
+    worker): then it is dispatched now instead (False).
+    """
+    if step_run.device_id and dispatch_if_holding(step_run):
+        return False
+    spec = step_spec(step_run)
+    why = "offline" if not step_run.device.reachable else "busy"
+    error = f"waited {spec['queue_timeout_seconds']}s for device {step_run.device.name} ({why})"
+    if spec.get("kind") == StepKind.WAIT_ONLINE:
+        error = f"device {step_run.device.name} did not come online within {spec['queue_timeout_seconds']}s"
+    if not StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt).update(
+        status=StepStatus.TIMED_OUT, error=error, finished_at=timezone.now()
+    ):
+        return False
+    device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
+    step_run.status, step_run.error = StepStatus.TIMED_OUT, error
+    event_record("step.timed_out", step_run=step_run, message=error)
+    return True

@@ -1,0 +1,564 @@
+"""Replies that arrived together, applied as one transition: one transaction, one lock call.
+
+The bridge groups the replies that arrive together (jobs/replies.py), `run_start` asks
+for new runs to start, and a worker takes what has gathered in the inbox
+(jobs/inbox.py). For the runs to start and the replies that answer current attempts,
+`transition_apply`:
+
+1. reads the rows the replies answer (one SELECT, before the transaction);
+2. in one transaction: pending runs start; acks mark their attempts in progress; dones
+   end their attempts
+   (as jobs/engine/attempts.py decides: succeeded, retrying, failed); runs whose step
+   ended move their cursor or end; the rows of their next steps are inserted, queued;
+3. makes one Redis call (devices.locks.device_locks_apply): the ended attempts' locks
+   are released, each handing its device to the head of its queue, the new rows acquire
+   theirs, and deadlines are set and cleared, a new attempt's only where its lock was
+   granted;
+4. marks dispatched the rows that got a lock — its own new rows, and other runs' rows the
+   releases handed a device to — inserts every event, and commits;
+5. publishes every resulting command at once (QoS 1, acknowledgements awaited together),
+   then clears their `send` deadlines and counts the metrics in one pipeline.
+
+Anything else is handed, after the commit, to the general one-at-a-time path: a reply
+that matches no current attempt (reply.py records it as stale, unknown or foreign), a
+run that rolls back, a fan-out or compensation row, a next step of another kind, a
+device with flow control.
+
+How it fails: each write is a compare-and-set whose count is checked. If another
+transition moved a row first (a cancel, a timeout, a duplicate reply in another batch),
+the transaction rolls back before any Redis write and the replies are applied one at a
+time instead. A database error after the Redis call rolls the transaction back: the new
+rows' lock requests are withdrawn, devices already handed on are dispatched the general
+way, and the error is raised so the task runs again (the ended attempts are still in
+flight in the database, so the replies apply again; their releases are then stale and
+change nothing). A worker killed inside that window leaves a lock held for a row that
+was never committed; its lease runs out and the monitor passes it on
+(devices/lock_recovery.py), and the redelivered task applies the replies again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from typing import Any
+from uuid import UUID
+
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+
+from devices import protocol
+from devices.lock_recovery import locks_rebuild
+from devices.locks import (
+    Grant,
+    LockBatch,
+    NotReady,
+    Queued,
+    device_lock_dequeue,
+    device_lock_extend,
+    device_lock_handoff,
+    device_lock_pass_on,
+    device_locks_apply,
+)
+from devices.models import Device
+from iotqueue.redis_conn import redis_connection
+
+from .. import templating
+from ..deadlines import Deadline, deadline_score, deadlines_key
+from ..events import EventLog, event_record
+from ..inbox import Work
+from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
+from .attempts import Outcome, attempt_deadlines, attempt_outcome
+from .dispatch import Attempt, attempt_new, commands_confirmed, commands_publish, step_dispatch
+from .plan import (
+    RUN_ACTIVE,
+    holder_step_id,
+    is_fanout_row,
+    lease_seconds,
+    spec_kind,
+    step_args,
+    step_holder,
+    step_spec,
+    step_target_name,
+)
+from .reply import step_reply
+from .runs import RUN_STATUS_FOR_STEP, run_advance, run_continue, run_step_enter, step_error
+
+log = logging.getLogger(__name__)
+
+# Fields a batch writes, per kind of row write.
+ACK_FIELDS = ["status", "acked_at", "progress"]
+END_FIELDS = ["status", "error", "finished_at", "result", "progress", "deadline", "acked_at"]
+DISPATCH_FIELDS = [
+    "status",
+    "attempt",
+    "command_id",
+    "fence",
+    "deadline",
+    "dispatched_at",
+    "acked_at",
+    "progress",
+]
+
+
+# Adds commands to a Redis pipeline.
+PipeHook = Callable[[Any], None]
+
+
+class BatchConflict(Exception):
+    """A row changed under the batch; nothing was written to Redis, apply one at a time."""
+
+
+class BatchRetry(Exception):
+    """A row changed under the batch after its lock call: undone, the task runs again."""
+
+
+def inbox_apply(work: Work, *, finally_: PipeHook | None = None) -> None:
+    """Apply what a worker took from the inbox (jobs/inbox.py) as one transition.
+
+    `finally_(pipe)` adds Redis commands to the batch's last pipeline, once everything is
+    committed and published (the inbox acknowledges its entries there).
+    """
+    replies = [(device, protocol.Reply(**payload)) for device, payload in work.replies]
+    transition_apply(replies=replies, starts=work.starts, finally_=finally_)
+
+
+def transition_apply(
+    *,
+    replies: list[tuple[str, protocol.Reply]] = (),
+    starts: list[str] = (),
+    finally_: PipeHook | None = None,
+) -> None:
+    """Apply replies that arrived together and start pending runs (see the module docstring)."""
+    rows = {}
+    if replies:
+        rows = {
+            s.command_id: s
+            for s in StepRun.objects.select_related("run", "device").filter(
+                command_id__in={reply.command_id for _, reply in replies}
+            )
+        }
+    batch = _Batch(rows)
+    if finally_ is not None:
+        batch.finally_.append(finally_)
+
+    def prepare() -> None:
+        batch.runs_begin(starts)
+        batch.classify(replies)
+        batch.acks_write()
+        batch.ends_write()
+        batch.runs_continue()
+
+    def one_at_a_time() -> None:
+        for run_id in starts:
+            _safely(partial(run_advance, run_id=run_id))
+        for device, reply in replies:
+            _safely(partial(step_reply, device=device, reply=reply))
+
+    _transition(batch, prepare, one_at_a_time)
+
+
+def run_begin(*, run_id: str) -> None:
+    """The `run_advance` task: start a run (or its step at the cursor) as one transition."""
+    transition_apply(starts=[run_id])
+
+
+def _transition(batch: _Batch, prepare: Callable[[], None], one_at_a_time: Callable[[], None]) -> None:
+    """The shared shape of a batched transition: `prepare` writes what ended and who moves
+    on; then the next rows, the lock call, the dispatches, the events, the commit, the
+    publishes; then the general-path leftovers. A conflict before the lock call rolls
+    everything back and hands over to `one_at_a_time`."""
+    try:
+        with transaction.atomic():
+            prepare()
+            batch.rows_insert()
+            batch.locks_apply()
+            batch.handed_dispatch()
+            batch.dispatches_write()
+            batch.events.insert()
+    except BatchConflict as conflict:
+        log.info("batched transition: %s; applying one at a time", conflict)
+        one_at_a_time()
+        batch.dispatches = []
+        batch.publish()  # nothing to publish: runs the caller's `finally_` commands
+        return
+    except Exception:
+        batch.undo()
+        raise
+    batch.publish()
+    for work in batch.later:
+        _safely(work)
+
+
+def rows_update(model, rows: list, fields: list[str], *, status_in: tuple, match: str = "") -> int:
+    """UPDATE each row's `fields` by primary key while its status is one of `status_in`
+    (and its `match` field still has the value the row holds); returns the rows changed.
+
+    One statement for all rows (executemany): a compare-and-set per row at the cost of a
+    plain UPDATE, where the ORM's bulk_update would build a CASE per field and row.
+    """
+    if not rows:
+        return 0
+    meta, quote = model._meta, connection.ops.quote_name
+    columns = [meta.get_field(name) for name in fields]
+    sets = ", ".join(f"{quote(c.column)} = %s" for c in columns)
+    where = f"{quote(meta.pk.column)} = %s AND {quote('status')} IN ({', '.join(['%s'] * len(status_in))})"
+    guard = [meta.get_field(match)] if match else []
+    if guard:
+        where += f" AND {quote(guard[0].column)} = %s"
+    params = [
+        [c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns]
+        + [meta.pk.get_db_prep_value(row.pk, connection), *status_in]
+        + [c.get_db_prep_value(getattr(row, c.attname), connection) for c in guard]
+        for row in rows
+    ]
+    with connection.cursor() as cursor:
+        cursor.executemany(f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params)
+        return cursor.rowcount
+
+
+def _safely(work: Callable[[], None]) -> None:
+    """General-path work after the commit: one failing must not stop the rest."""
+    try:
+        work()
+    except Exception:
+        log.exception("after a reply batch: %s failed; the monitor's sweep finds its step again", work)
+
+
+class _Batch:
+    """The state of one batched transition, in the order `replies_apply` builds it."""
+
+    def __init__(self, rows: dict[str, StepRun]) -> None:
+        self.rows = rows
+        self.now = timezone.now()
+        self.events = EventLog()
+        self.later: list[Callable[[], None]] = []
+        self.acks: dict[int, StepRun] = {}
+        self.dones: list[tuple[StepRun, protocol.Reply]] = []
+        self.ended: list[tuple[StepRun, Outcome]] = []
+        self.moved: list[JobRun] = []
+        self.finished: list[JobRun] = []
+        self.starting: list[JobRun] = []
+        self.new_rows: list[tuple[StepRun, Attempt]] = []
+        self.locks = LockBatch()
+        self.releases: dict[int, StepRun] = {}  # op index -> the row whose attempt ended
+        self.acquires: dict[int, tuple[StepRun, Attempt]] = {}  # op index -> new row
+        self.outcomes: list = []
+        self.handed: list[tuple[str, Grant]] = []
+        self.dispatches: list[StepRun] = []
+        self.finally_: list[PipeHook] = []
+
+    # --- 1. which runs start and which replies this batch applies --------------------
+
+    def runs_begin(self, run_ids: list[str]) -> None:
+        """Pending runs start (running, their first step next); any other goes the general way
+        (a running run restarts at its cursor: a redelivered start, or the monitor's sweep)."""
+        if not run_ids:
+            return
+        runs = JobRun.objects.in_bulk(run_ids)
+        pending = [run for run in runs.values() if run.status == RunStatus.PENDING]
+        for run_id in run_ids:
+            run = runs.get(UUID(str(run_id)))
+            if run is not None and run.status != RunStatus.PENDING:
+                self.later.append(partial(run_advance, run_id=str(run_id)))
+        for run in pending:
+            run.status, run.started_at = RunStatus.RUNNING, self.now
+            self.events.add("run.started", run=run, message=f"{len(run.plan)} steps")
+            self.starting.append(run)
+        if rows_update(JobRun, pending, ["status", "started_at"], status_in=(RunStatus.PENDING,)) != len(
+            pending
+        ):
+            raise BatchConflict("a run started meanwhile")
+
+    def classify(self, items: list[tuple[str, protocol.Reply]]) -> None:
+        """Replies to current attempts are applied here; the rest go the general way."""
+        ending: set[str] = set()
+        for device, reply in items:
+            step_run = self.rows.get(reply.command_id)
+            current = (
+                step_run is not None
+                and step_run.device_id is not None
+                and step_run.device.name == device
+                and step_run.status in STEP_IN_FLIGHT
+                and reply.command_id not in ending
+            )
+            if not current:
+                self.later.append(partial(step_reply, device=device, reply=reply))
+            elif reply.kind == "done":
+                ending.add(reply.command_id)
+                self.dones.append((step_run, reply))
+            else:
+                self._ack(step_run, reply)
+
+    def _ack(self, step_run: StepRun, reply: protocol.Reply) -> None:
+        if step_run.status == StepStatus.DISPATCHED:
+            step_run.status = StepStatus.IN_PROGRESS
+            step_run.acked_at = step_run.acked_at or self.now
+            self.locks.zrem += [Deadline(k, step_run.pk, step_run.attempt).member for k in ("ack", "send")]
+            self.events.add("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
+        if reply.progress is not None:
+            step_run.progress = reply.progress
+        self.acks[step_run.pk] = step_run
+
+    # --- 2. the database writes before the lock call -------------------------------
+
+    def acks_write(self) -> None:
+        """Attempts acked in this batch; one that also ends here is written with its end."""
+        ending = {step_run.pk for step_run, _ in self.dones}
+        rows = [step_run for pk, step_run in self.acks.items() if pk not in ending]
+        if rows:
+            if rows_update(StepRun, rows, ACK_FIELDS, status_in=STEP_IN_FLIGHT) != len(rows):
+                raise BatchConflict("an acked attempt ended meanwhile")
+
+    def ends_write(self) -> None:
+        """End the attempts the dones answer; their locks are released in the lock call."""
+        for step_run, reply in self.dones:
+            outcome = attempt_outcome(
+                step_run,
+                ok=bool(reply.ok),
+                result=reply.result,
+                error=reply.error,
+                retryable=reply.retryable,
+                now=self.now,
+            )
+            for field, value in outcome.changes.items():
+                setattr(step_run, field, value)
+            self.events.add(f"step.{outcome.status}", step_run=step_run, message=outcome.message)
+            cleared, retry = attempt_deadlines(step_run, outcome)
+            self.locks.zrem += [d.member for d in cleared]
+            self.locks.zadd.update({d.member: deadline_score(when) for d, when in retry.items()})
+            index = self.locks.release(
+                step_run.device.name, holder=step_holder(step_run), fence=step_run.fence
+            )
+            self.releases[index] = step_run
+            self.ended.append((step_run, outcome))
+        if self.dones:
+            rows = [step_run for step_run, _ in self.dones]
+            if rows_update(StepRun, rows, END_FIELDS, status_in=STEP_IN_FLIGHT, match="command_id") != len(
+                rows
+            ):
+                raise BatchConflict("an attempt ended meanwhile")
+
+    def runs_continue(self) -> None:
+        """Move on the runs whose step ended for good: next step, end, or the general way."""
+        for step_run, outcome in self.ended:
+            if outcome.retry:
+                continue
+            run = step_run.run
+            if (
+                step_run.phase != Phase.FORWARD
+                or is_fanout_row(step_run)
+                or run.status != RunStatus.RUNNING
+                or run.cursor != step_run.index
+            ):
+                self.later.append(partial(run_continue, step_run=step_run))
+                continue
+            policy = run.plan[step_run.index].get("on_failure", OnFailure.ABORT)
+            if step_run.status == StepStatus.SUCCEEDED or policy == OnFailure.CONTINUE:
+                run.cursor = step_run.index + 1
+                if run.cursor >= len(run.plan):
+                    self._run_finish(run, RunStatus.SUCCEEDED, "")
+                else:
+                    self.moved.append(run)
+                    self.starting.append(run)
+            elif policy == OnFailure.ABORT:
+                self._run_finish(
+                    run, RUN_STATUS_FOR_STEP.get(step_run.status, RunStatus.FAILED), step_error(step_run)
+                )
+            else:
+                self.later.append(partial(run_continue, step_run=step_run))
+        running = (RunStatus.RUNNING,)
+        if rows_update(JobRun, self.moved, ["cursor"], status_in=running) != len(self.moved):
+            raise BatchConflict("a run moved meanwhile")
+        finished = ["cursor", "status", "error", "finished_at"]
+        if rows_update(JobRun, self.finished, finished, status_in=running) != len(self.finished):
+            raise BatchConflict("a run ended meanwhile")
+
+    def _run_finish(self, run: JobRun, status: str, error: str) -> None:
+        run.status, run.error, run.finished_at = status, error, self.now
+        self.finished.append(run)
+        self.events.add(f"run.{status}", run=run, message=error)
+
+    def rows_insert(self) -> None:
+        """Queued rows for the runs' next steps; other kinds start the general way."""
+        plans = {}
+        for run in self.starting:
+            if run.cursor >= len(run.plan):
+                self.later.append(partial(run_step_enter, run=run, index=run.cursor))
+                continue
+            spec = run.plan[run.cursor]
+            name, _ = step_target_name(run, spec)
+            if spec_kind(spec) != StepKind.COMMAND or name is None:
+                self.later.append(partial(run_step_enter, run=run, index=run.cursor))
+            else:
+                plans[run.pk] = (run, spec, name)
+        devices = Device.objects.in_bulk([name for _, _, name in plans.values()], field_name="name")
+        for run, spec, name in plans.values():
+            device = devices.get(name)
+            try:
+                args = step_args(run, spec["args"], device) if device is not None else None
+            except templating.TemplateError:
+                args = None
+            if args is None or not device.enabled or device.min_interval_seconds or device.max_per_minute:
+                # A refusal (no such device, a reference with no value) or flow control.
+                self.later.append(partial(run_step_enter, run=run, index=run.cursor))
+                continue
+            row = StepRun(
+                run=run,
+                phase=Phase.FORWARD,
+                index=run.cursor,
+                device=device,
+                action=spec["action"],
+                args=args,
+                status=StepStatus.QUEUED,
+                queued_at=self.now,
+                deadline=self.now + timedelta(seconds=spec["queue_timeout_seconds"]),
+            )
+            self.new_rows.append((row, None))
+        if not self.new_rows:
+            return
+        try:
+            # No savepoint: a conflict rolls the whole transition back anyway.
+            StepRun.objects.bulk_create([row for row, _ in self.new_rows])
+        except IntegrityError:
+            raise BatchConflict("a next step's row exists already") from None
+        for i, (row, _) in enumerate(self.new_rows):
+            self.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
+            self._acquire(row, i)
+
+    def _acquire(self, row: StepRun, i: int) -> None:
+        queue = {Deadline("queue", row.pk, row.attempt).member: deadline_score(row.deadline)}
+        if not row.device.reachable:
+            self.locks.zadd.update(queue)
+            self.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
+            return
+        attempt = attempt_new(row, fence=0, now=self.now)
+        self.new_rows[i] = (row, attempt)
+        index = self.locks.acquire(
+            row.device.name,
+            holder=step_holder(row),
+            priority=row.run.priority,
+            lease_seconds=lease_seconds(step_spec(row)),
+            on_grant={d.member: deadline_score(when) for d, when in attempt.deadlines.items()},
+            on_queue=queue,
+        )
+        self.acquires[index] = (row, attempt)
+
+    # --- 3. the lock call ------------------------------------------------------------
+
+    def locks_apply(self) -> None:
+        self.outcomes = device_locks_apply(self.locks, zset=deadlines_key())
+        rebuild = False
+        for index, outcome in enumerate(self.outcomes):
+            if index in self.releases:
+                if outcome is not None:
+                    self.handed.append((self.releases[index].device.name, outcome))
+                continue
+            row, attempt = self.acquires[index]
+            if isinstance(outcome, Grant):
+                self._dispatch(row, attempt, outcome.fence)
+            elif isinstance(outcome, Queued):
+                self.events.add(
+                    "step.waiting", step_run=row, message=f"device busy, position {outcome.position}"
+                )
+            elif isinstance(outcome, NotReady):
+                rebuild = True
+        if rebuild:
+            # Redis lost the locks; rebuilding them re-acquires every queued step.
+            self.later.append(locks_rebuild)
+
+    def _dispatch(self, row: StepRun, attempt: Attempt, fence: int) -> None:
+        changes = {**attempt.changes, "fence": fence}
+        for field, value in changes.items():
+            setattr(row, field, value)
+        self.events.add("step.dispatched", step_run=row, message=f"attempt {row.attempt}, fence {fence}")
+        self.dispatches.append(row)
+
+    # --- 4. devices handed on, the dispatch writes -----------------------------------
+
+    def handed_dispatch(self) -> None:
+        """Dispatch, in this transaction, the queued rows the releases handed a device to.
+
+        Their deadlines and full lease are written in one more round trip before the
+        commit. Holders of another kind (a parked Celery task), rows that moved on, and
+        devices with flow control are started the general way after the commit.
+        """
+        step_ids = {holder_step_id(grant.holder) for _, grant in self.handed} - {None}
+        rows = StepRun.objects.select_related("run", "device").in_bulk(step_ids) if step_ids else {}
+        ready: list[tuple[StepRun, Attempt]] = []
+        for device, grant in self.handed:
+            row = rows.get(holder_step_id(grant.holder))
+            if holder_step_id(grant.holder) is None:
+                self.later.append(partial(device_lock_handoff, device, grant))
+            elif (
+                row is None
+                or row.status != StepStatus.QUEUED
+                or row.run.status not in RUN_ACTIVE
+                or row.device.min_interval_seconds
+                or row.device.max_per_minute
+            ):
+                step_id = holder_step_id(grant.holder)
+                self.later.append(partial(step_dispatch, step_run_id=step_id, fence=grant.fence))
+            else:
+                ready.append((row, attempt_new(row, fence=grant.fence, now=self.now)))
+        if not ready:
+            return
+        with redis_connection().pipeline(transaction=False) as pipe:
+            for row, attempt in ready:
+                pipe.zadd(
+                    deadlines_key(), {d.member: deadline_score(w) for d, w in attempt.deadlines.items()}
+                )
+                pipe.zrem(deadlines_key(), Deadline("queue", row.pk, row.attempt).member)
+                device_lock_extend(
+                    row.device.name,
+                    holder=step_holder(row),
+                    fence=attempt.changes["fence"],
+                    lease_seconds=lease_seconds(step_spec(row)),
+                    pipe=pipe,
+                )
+            pipe.execute()
+        for row, attempt in ready:
+            self._dispatch(row, attempt, attempt.changes["fence"])
+
+    def dispatches_write(self) -> None:
+        if self.dispatches:
+            queued = (StepStatus.QUEUED,)
+            if rows_update(StepRun, self.dispatches, DISPATCH_FIELDS, status_in=queued) != len(
+                self.dispatches
+            ):
+                # A handed row was canceled meanwhile: undo and let the task run again.
+                raise BatchRetry("a dispatched row moved during its reply batch")
+
+    # --- 5. after the commit ---------------------------------------------------------
+
+    def publish(self) -> None:
+        """Publish every command of the batch; clear the `send` checks of those the broker
+        has acknowledged by now, count the metrics, run the caller's `finally_` commands."""
+        for row, failure in commands_publish(self.dispatches):
+            # The `send` deadline re-sends it; the device deduplicates by id.
+            self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
+        confirmed = commands_confirmed()
+        with redis_connection().pipeline(transaction=False) as pipe:
+            if confirmed:
+                pipe.zrem(deadlines_key(), *confirmed)
+            self.events.metrics.pipe_add(pipe)
+            for hook in self.finally_:
+                hook(pipe)
+            pipe.execute()
+
+    def undo(self) -> None:
+        """The transaction failed after the lock call: withdraw what it asked for."""
+        for index, outcome in enumerate(self.outcomes):
+            try:
+                if index in self.releases:
+                    if outcome is not None:
+                        device_lock_handoff(self.releases[index].device.name, outcome)
+                    continue
+                row, _ = self.acquires[index]
+                if isinstance(outcome, Grant):
+                    device_lock_pass_on(row.device.name, holder=step_holder(row), fence=outcome.fence)
+                elif isinstance(outcome, Queued):
+                    device_lock_dequeue(row.device.name, holder=step_holder(row))
+            except Exception:
+                log.exception("undoing a failed reply batch; the lock's lease will end it instead")

@@ -1,0 +1,289 @@
+"""Dispatching: take a step's device lock, commit the attempt, publish its command.
+
+No function here waits for a device. A queued step asks for its device's lock; when it is
+granted the attempt is committed (command id, fence, deadlines) and only then is the
+command published (the row is the outbox entry: a fast reply always finds it). A step
+for a busy device waits in the device's FIFO queue and is dispatched by whoever hands the
+lock on (devices/locks.py grant handlers, registered by jobs/engine/__init__.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from devices import protocol
+from devices.flow import device_flow_record, device_flow_wait
+from devices.lock_recovery import locks_rebuild
+from devices.locks import (
+    Grant,
+    NotReady,
+    device_lock_acquire,
+    device_lock_extend,
+    device_lock_pass_on,
+    device_lock_state,
+)
+from iotqueue.mqtt import PUBLISH_TIMEOUT_SECONDS, PublishError, publisher
+from iotqueue.redis_conn import redis_connection
+
+from ..deadlines import Deadline, deadlines_clear, deadlines_set
+from ..events import event_record
+from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from .plan import RUN_ACTIVE, command_id_new, lease_seconds, step_holder, step_spec
+
+log = logging.getLogger(__name__)
+
+# A command committed but not confirmed published by then is sent again (outbox): covers
+# a worker that died between commit and publish, and a broker that refused the publish.
+SEND_CHECK_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A new attempt of a step: the row's new fields and the deadlines that guard it."""
+
+    changes: dict[str, Any]
+    deadlines: dict[Deadline, datetime]
+
+
+def attempt_new(step_run: StepRun, *, fence: int, now: datetime) -> Attempt:
+    """The next attempt of a queued step under `fence`: what to write and what to watch."""
+    spec = step_spec(step_run)
+    attempt = step_run.attempt + 1
+    deadline = now + timedelta(seconds=spec["timeout_seconds"])
+    changes = {
+        "status": StepStatus.DISPATCHED,
+        "attempt": attempt,
+        "command_id": command_id_new(step_run.pk, attempt),
+        "fence": fence,
+        "deadline": deadline,
+        "dispatched_at": now,
+        "acked_at": None,
+        "progress": None,
+    }
+    # `done` times the attempt out; `send` re-sends a command whose publish never
+    # confirmed (cleared once it did); `ack` only when the step asks for an early ack.
+    deadlines = {
+        Deadline("done", step_run.pk, attempt): deadline,
+        Deadline("send", step_run.pk, attempt): now + timedelta(seconds=SEND_CHECK_SECONDS),
+    }
+    if spec.get("ack_timeout_seconds"):
+        deadlines[Deadline("ack", step_run.pk, attempt)] = now + timedelta(
+            seconds=spec["ack_timeout_seconds"]
+        )
+    return Attempt(changes, deadlines)
+
+
+def step_acquire(*, step_run: StepRun, quiet: bool = False) -> None:
+    """Take the device lock and dispatch, or wait (device busy or offline; no worker waits).
+
+    A step for an offline device stays queued outside the lock queue; the device's return
+    online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait.
+    """
+    if not step_run.device.reachable:
+        queue_deadline_set(step_run)
+        if not quiet:
+            event_record(
+                "step.waiting", step_run=step_run, message=f"device {step_run.device.name} is offline"
+            )
+        return
+    outcome = device_lock_acquire(
+        step_run.device.name,
+        holder=step_holder(step_run),
+        priority=step_run.run.priority,
+        lease_seconds=lease_seconds(step_spec(step_run)),
+    )
+    if isinstance(outcome, Grant):
+        # The grant's lease already covers this step's timeout: no extend needed.
+        step_dispatch(step_run_id=step_run.pk, fence=outcome.fence, step_run=step_run, lease_fresh=True)
+        return
+    queue_deadline_set(step_run)
+    if isinstance(outcome, NotReady):
+        # Redis lost the locks; rebuilding them re-acquires every queued step, this one too.
+        locks_rebuild()
+    elif not quiet:
+        event_record("step.waiting", step_run=step_run, message=f"device busy, position {outcome.position}")
+
+
+def queue_deadline_set(step_run: StepRun) -> None:
+    if step_run.deadline is not None:
+        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
+
+
+def step_dispatch(
+    *, step_run_id: int, fence: int, step_run: StepRun | None = None, lease_fresh: bool = False
+) -> None:
+    """Commit the attempt (command id, fence, deadlines), then publish the command.
+
+    `step_run` may be passed when the caller has just loaded it; the compare-and-set on
+    (status, attempt) keeps a stale copy harmless.
+    """
+    if step_run is None:
+        step_run = StepRun.objects.select_related("run", "device").filter(pk=step_run_id).first()
+        if step_run is None:
+            return  # its creating transaction rolled back; the lease reclaims the lock
+    if step_run.status != StepStatus.QUEUED or step_run.run.status not in RUN_ACTIVE:
+        if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
+            return  # redelivered task: already dispatched under this grant
+        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=fence)
+        return
+    spec = step_spec(step_run)
+    now = timezone.now()
+    spacing = device_flow_wait(step_run.device)
+    if spacing > 0:
+        # Flow control: keep the lock, publish when the device may take the next command.
+        deadlines_set({Deadline("dispatch", step_run.pk, step_run.attempt): now + timedelta(seconds=spacing)})
+        device_lock_extend(
+            step_run.device.name,
+            holder=step_holder(step_run),
+            fence=fence,
+            lease_seconds=lease_seconds(spec) + spacing,
+        )
+        event_record("step.spaced", step_run=step_run, message=f"flow control: sending in {spacing:.1f}s")
+        return
+    attempt = attempt_new(step_run, fence=fence, now=now)
+    # Deadlines go in before the commit: if this process dies after committing, the
+    # `send` deadline re-sends the command and `done` times the attempt out.
+    with redis_connection().pipeline(transaction=False) as pipe:
+        deadlines_set(attempt.deadlines, pipe=pipe)
+        deadlines_clear([Deadline("queue", step_run.pk, step_run.attempt)], pipe=pipe)
+        pipe.execute()
+    with transaction.atomic():
+        claimed = StepRun.objects.filter(
+            pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt
+        ).update(**attempt.changes)
+        if not claimed:
+            return
+        for field, value in attempt.changes.items():
+            setattr(step_run, field, value)
+        event_record(
+            "step.dispatched", step_run=step_run, message=f"attempt {step_run.attempt}, fence {fence}"
+        )
+    if not lease_fresh:
+        device_lock_extend(
+            step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
+        )
+    device_flow_record(step_run.device)
+    if command_send(step_run=step_run):
+        deadlines_clear([Deadline("send", step_run.pk, step_run.attempt)])
+
+
+def command_message(step_run: StepRun) -> tuple[str, bytes]:
+    """The topic and payload of the step's current command."""
+    payload = protocol.command_payload(
+        command_id=step_run.command_id,
+        run=str(step_run.run_id),
+        step=step_run.index,
+        attempt=step_run.attempt,
+        token=step_run.fence,
+        action=step_run.action,
+        args=step_run.args,
+        deadline=step_run.deadline.isoformat(),
+    )
+    return step_run.device.command_topic_for(step_run.action), payload
+
+
+def command_send(*, step_run: StepRun) -> bool:
+    """Publish the step's current command (QoS 1); False (and an event) when it failed.
+
+    A failed publish is retried by the `send` deadline; the device deduplicates by id.
+    """
+    try:
+        publisher.publish(*command_message(step_run))
+    except PublishError as exc:
+        event_record("step.publish_failed", step_run=step_run, message=str(exc))
+        return False
+    return True
+
+
+# Commands handed to the MQTT client whose PUBACK was not seen yet, oldest first, per
+# process: (message info, its `send` deadline member, time.monotonic() when published).
+_unconfirmed: list[tuple[Any, str, float]] = []
+
+
+def commands_publish(rows: list[StepRun]) -> list[tuple[StepRun, str]]:
+    """Publish each row's current command without waiting for the broker (QoS 1).
+
+    The `send` deadlines stay until the broker's acknowledgement is seen
+    (`commands_confirmed`); returns (row, why) for commands that could not be queued at
+    all, which their `send` deadline re-sends.
+    """
+    outcomes = publisher.publish_nowait([command_message(row) for row in rows])
+    failed, now = [], time.monotonic()
+    for row, outcome in zip(rows, outcomes, strict=True):
+        if isinstance(outcome, str):
+            failed.append((row, outcome))
+        else:
+            _unconfirmed.append((outcome, Deadline("send", row.pk, row.attempt).member, now))
+    return failed
+
+
+def commands_confirmed(*, wait: bool = False) -> list[str]:
+    """The `send` members of commands the broker acknowledged since the last call.
+
+    With `wait`, waits for the others (each up to PUBLISH_TIMEOUT_SECONDS from its
+    publish). One left unacknowledged past that makes the client drop its queue, as a
+    failed `publish` does (iotqueue/mqtt.py): a late copy must never leave after its
+    attempt moved on; every unconfirmed command is then left to its `send` deadline.
+    """
+    confirmed, waiting = [], []
+    for info, member, published_at in _unconfirmed:
+        remaining = published_at + PUBLISH_TIMEOUT_SECONDS - time.monotonic()
+        if wait and remaining > 0 and not info.is_published():
+            with contextlib.suppress(RuntimeError, ValueError):
+                info.wait_for_publish(timeout=remaining)
+        if info.is_published():
+            confirmed.append(member)
+        elif time.monotonic() - published_at > PUBLISH_TIMEOUT_SECONDS:
+            log.warning(
+                "no PUBACK for %s within %ss; dropping the MQTT client", member, PUBLISH_TIMEOUT_SECONDS
+            )
+            publisher.close()
+            _unconfirmed.clear()
+            return confirmed
+        else:
+            waiting.append((info, member, published_at))
+    _unconfirmed[:] = waiting
+    return confirmed
+
+
+def commands_settle() -> None:
+    """Before a task returns: wait for the broker to acknowledge what it published, and
+    clear those commands' `send` deadlines."""
+    confirmed = commands_confirmed(wait=True)
+    if confirmed:
+        deadlines_clear([Deadline.parse(member) for member in confirmed])
+
+
+def command_resend(*, step_run: StepRun, attempt: int) -> None:
+    """The `send` deadline: re-send a command whose publish was never confirmed."""
+    if step_run.attempt != attempt or step_run.status != StepStatus.DISPATCHED:
+        return
+    event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
+    if not command_send(step_run=step_run):
+        deadlines_set(
+            {Deadline("send", step_run.pk, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
+        )
+    else:
+        deadlines_clear([Deadline("send", step_run.pk, attempt)])
+
+
+def dispatch_if_holding(step_run: StepRun) -> bool:
+    """Dispatch a queued step that holds its device's lock (spaced, or its hand-off lost)."""
+    state = device_lock_state(step_run.device.name)
+    if state.holder == step_holder(step_run) and state.fence is not None:
+        step_dispatch(step_run_id=step_run.pk, fence=state.fence)
+        return True
+    return False
+
+
+def step_handoff(device: str, grant: Grant) -> None:
+    """Grant handler for "step" holders: the lock was handed to a queued step; dispatch it."""
+    step_dispatch(step_run_id=int(grant.holder.partition(":")[2]), fence=grant.fence)

@@ -1,0 +1,140 @@
+"""What a step row executes, read from its run's plan: spec, target, args, ids. No writes.
+
+Every stage of the engine reads a step through these functions, so a compensation (which
+runs the step's compensation action), a for-each run (`device_param`) and a fan-out
+(group / labels) look the same to dispatching and to ending an attempt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from devices.locks import holder_name
+from devices.models import Device
+
+from .. import templating
+from ..models import JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+
+# Run states in which steps may be dispatched (compensations run while compensating).
+RUN_ACTIVE = (RunStatus.RUNNING, RunStatus.COMPENSATING)
+# A lock holder "step:<step run id>" is a step row of this app (devices/locks.py).
+HOLDER_KIND = "step"
+# The lock lease outlives the step's own timeout by this much, so the timeout (a step
+# outcome) always fires before the lease expiry (a crash-recovery path).
+LEASE_GRACE_SECONDS = 30.0
+
+
+def step_holder(step_run: StepRun) -> str:
+    return holder_name(HOLDER_KIND, step_run.pk)
+
+
+def holder_step_id(holder: str) -> int | None:
+    """The step run id a lock holder names, or None when it is not a step."""
+    kind, _, ident = holder.partition(":")
+    return int(ident) if kind == HOLDER_KIND and ident.isdigit() else None
+
+
+def step_spec(step_run: StepRun) -> dict[str, Any]:
+    """The plan entry a step row executes; a compensation runs the step's compensation."""
+    spec = step_run.run.plan[step_run.index]
+    if step_run.phase == Phase.COMPENSATION:
+        return {
+            **spec,
+            "kind": StepKind.COMMAND,
+            "action": spec["compensation_action"],
+            "args": spec["compensation_args"],
+            "group": "",
+            "labels": {},
+        }
+    return spec
+
+
+def spec_kind(spec: dict[str, Any]) -> str:
+    """The kind a plan entry starts as: command, delay, wait_online or fanout."""
+    if spec.get("kind") == StepKind.DELAY:
+        return StepKind.DELAY
+    if spec.get("group") or spec.get("labels"):
+        return "fanout"
+    return spec.get("kind") or StepKind.COMMAND
+
+
+def is_fanout_row(step_run: StepRun) -> bool:
+    return step_run.phase == Phase.FORWARD and spec_kind(step_run.run.plan[step_run.index]) == "fanout"
+
+
+def lease_seconds(spec: dict[str, Any]) -> float:
+    return float(spec["timeout_seconds"]) + LEASE_GRACE_SECONDS
+
+
+def command_id_new(step_run_id: int, attempt: int) -> str:
+    """Unique per attempt, and names its step so a late reply can be attributed."""
+    return f"{step_run_id}-{attempt}-{uuid.uuid4().hex[:12]}"
+
+
+def command_id_step(command_id: str) -> int | None:
+    """The step run id a command id names, or None for a foreign id."""
+    head = command_id.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
+    """What {{ references }} in a step's args can read: params, earlier results, run, device."""
+    results = dict(
+        StepRun.objects.filter(run=run, phase=Phase.FORWARD, status=StepStatus.SUCCEEDED).values_list(
+            "index", "result"
+        )
+    )
+    steps: dict[str, Any] = {}
+    for index, spec in enumerate(run.plan):
+        entry = {"result": results.get(index)}
+        steps[str(index)] = entry
+        if spec.get("name"):
+            steps[spec["name"]] = entry
+    context = {"params": run.parameters, "steps": steps, "run": {"id": str(run.pk)}}
+    if device is not None:
+        context["device"] = {"name": device.name, "labels": device.labels}
+    return context
+
+
+def step_args(run: JobRun, args: dict[str, Any], device: Device | None) -> dict[str, Any]:
+    """Args with their references resolved; no context is read when there are none.
+
+    Raises templating.TemplateError when a reference has no value.
+    """
+    if not templating.references(args):
+        return args
+    return templating.render(args, step_context(run, device))
+
+
+def step_target_name(run: JobRun, spec: dict[str, Any]) -> tuple[str | None, str]:
+    """The name of the one device a step addresses, or (None, why not)."""
+    if spec.get("device_param"):
+        name = run.parameters.get(spec["device_param"])
+        if not isinstance(name, str) or not name:
+            return None, f"run parameter {spec['device_param']!r} must name a device"
+        return name, ""
+    return spec["device"], ""
+
+
+def step_target(
+    run: JobRun, spec: dict[str, Any], devices: dict[str, Device] | None = None
+) -> tuple[Device | None, str]:
+    """The one device a step addresses, or (None, why not). `devices` may hold it already."""
+    name, problem = step_target_name(run, spec)
+    if name is None:
+        return None, problem
+    device = devices.get(name) if devices is not None else Device.objects.filter(name=name).first()
+    if device is None or not device.enabled:
+        return None, f"device {name} {'is disabled' if device else 'does not exist'}"
+    return device, ""
+
+
+def fanout_devices(spec: dict[str, Any]) -> list[Device]:
+    """Enabled devices of the step's group, or whose labels contain the step's selector."""
+    devices = Device.objects.filter(enabled=True).order_by("name")
+    if spec.get("group"):
+        devices = devices.filter(groups__name=spec["group"])
+    selector = spec.get("labels") or {}
+    # Filtered here rather than with a JSON lookup: SQLite has no JSON containment.
+    return [d for d in devices if all(d.labels.get(k) == v for k, v in selector.items())]

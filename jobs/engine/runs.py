@@ -1,0 +1,131 @@
+"""Continuing runs: after a step row ended for good, move the run on, roll it back or end it.
+
+A run is a database state machine: `cursor` is the index of its current step. A step's
+outcome decides the run (`run_step_done`): the next step starts, the run rolls back (a
+failure policy registered by jobs/engine/rollback.py) or the run ends. Rows that are not a
+step's whole outcome (one device of a fan-out, a compensation) report to the handler their
+kind registered with `row_ended_register` instead. Every run transition is a
+compare-and-set, so a task that runs twice changes nothing.
+
+Run:   pending -> running -> succeeded | failed | timed_out | canceled
+                         \\-> compensating -> compensated | failed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.utils import timezone
+
+from ..events import event_record
+from ..models import JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
+from .attempts import attempt_end
+from .plan import RUN_ACTIVE, is_fanout_row
+from .start import StepRefused, step_start
+
+# Statuses a final step outcome maps to on the run when the step's policy aborts it.
+RUN_STATUS_FOR_STEP = {StepStatus.TIMED_OUT: RunStatus.TIMED_OUT}
+
+# Who moves a run on when a row of theirs ended: "fanout" (one device of many) and
+# "compensation" (a rollback step). Filled by those modules on import.
+RowEnded = Callable[[StepRun], None]
+_row_ended: dict[str, RowEnded] = {}
+# on_failure policy -> handler(run, reason), for policies other than abort / continue.
+FailurePolicy = Callable[[JobRun, str], None]
+_failure_policies: dict[str, FailurePolicy] = {}
+
+
+def row_ended_register(kind: str, handler: RowEnded) -> None:
+    _row_ended[kind] = handler
+
+
+def failure_policy_register(policy: str, handler: FailurePolicy) -> None:
+    _failure_policies[policy] = handler
+
+
+def run_advance(*, run_id: str) -> None:
+    """Start a pending run, or (re)start the step at a running run's cursor (idempotent)."""
+    run = JobRun.objects.get(pk=run_id)
+    if run.status == RunStatus.PENDING:
+        now = timezone.now()
+        if JobRun.objects.filter(pk=run.pk, status=RunStatus.PENDING).update(
+            status=RunStatus.RUNNING, started_at=now
+        ):
+            run.status, run.started_at = RunStatus.RUNNING, now
+            event_record("run.started", run=run, message=f"{len(run.plan)} steps")
+    if run.status == RunStatus.RUNNING:
+        run_step_enter(run=run, index=run.cursor)
+
+
+def run_step_enter(*, run: JobRun, index: int) -> None:
+    """Start the step at `index`, or end the run when the plan is done; a refusal fails it."""
+    if index >= len(run.plan):
+        run_finish(run=run, status=RunStatus.SUCCEEDED)
+        return
+    try:
+        step_start(run=run, index=index)
+    except StepRefused as refused:
+        event_record("step.failed", run=run, device=refused.device, message=str(refused), index=index)
+        run_step_done(
+            run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {refused}"
+        )
+
+
+def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
+    """Move a run to a terminal status (once); False when it already was terminal."""
+    finished = JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, *RUN_ACTIVE)).update(
+        status=status, error=error, finished_at=timezone.now()
+    )
+    if finished:
+        run.status, run.error = status, error
+        event_record(f"run.{status}", run=run, message=error)
+    return bool(finished)
+
+
+def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str = "") -> None:
+    """A step's outcome decides the run: next step, its failure policy, or end (once)."""
+    policy = run.plan[index].get("on_failure", OnFailure.ABORT)
+    if ok or policy == OnFailure.CONTINUE:
+        if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(cursor=index + 1):
+            run.cursor = index + 1
+            run_step_enter(run=run, index=run.cursor)
+        return
+    handler = _failure_policies.get(policy)
+    if handler is not None:
+        handler(run, error)
+        return
+    run_finish(run=run, status=RUN_STATUS_FOR_STEP.get(status, RunStatus.FAILED), error=error)
+
+
+def step_error(step_run: StepRun) -> str:
+    """How a step's failure reads on its run."""
+    where = f"{step_run.device_name} {step_run.action}"
+    return f"step {step_run.index} ({where}) {step_run.status}: {step_run.error}"
+
+
+def run_continue(*, step_run: StepRun) -> None:
+    """After a step row ended for good: move its run on (once)."""
+    if step_run.status == StepStatus.CANCELED:
+        return
+    if step_run.phase != Phase.FORWARD:
+        _row_ended[step_run.phase](step_run)
+        return
+    if is_fanout_row(step_run):
+        _row_ended["fanout"](step_run)
+        return
+    run_step_done(
+        run=step_run.run,
+        index=step_run.index,
+        ok=step_run.status == StepStatus.SUCCEEDED,
+        status=step_run.status,
+        error=step_error(step_run),
+    )
+
+
+def attempt_end_continue(*, step_run: StepRun, command_id: str, **outcome) -> bool:
+    """End an attempt (jobs/engine/attempts.py) and, when the row ended for good, continue."""
+    if not attempt_end(step_run=step_run, command_id=command_id, **outcome):
+        return False
+    if step_run.status != StepStatus.RETRYING:
+        run_continue(step_run=step_run)
+    return True

@@ -1,0 +1,101 @@
+"""Starting steps: the row of the step at a run's cursor, by kind, then its dispatch.
+
+A step kind (command, delay, wait_online, fanout) registers how it starts with
+`step_kind_register`; `step_start` looks the kind up instead of branching on it. A starter
+either starts the step (rows created once: a redelivered task changes nothing) or refuses
+it with a reason (no such device, a reference with no value), which the caller turns into
+the step's failure (jobs/engine/runs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from devices.models import Device
+
+from .. import templating
+from ..events import event_record
+from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
+from .dispatch import step_acquire
+from .plan import spec_kind, step_args, step_target
+
+
+class StepRefused(Exception):
+    """The step cannot start; `device` and the message say why (it fails at once)."""
+
+    def __init__(self, device: str, reason: str) -> None:
+        super().__init__(reason)
+        self.device = device
+
+
+# kind -> starter(run, index); raises StepRefused. Filled by the kind modules on import.
+StepStarter = Callable[[JobRun, int], None]
+_starters: dict[str, StepStarter] = {}
+
+
+def step_kind_register(kind: str, starter: StepStarter) -> None:
+    _starters[kind] = starter
+
+
+def step_start(*, run: JobRun, index: int) -> None:
+    """Start the run's step at `index` by its kind; raises StepRefused."""
+    _starters[spec_kind(run.plan[index])](run, index)
+
+
+def command_start(run: JobRun, index: int) -> None:
+    """A command step on one device: its queued row, then the device's lock."""
+    step_run = step_row_start(run, index)
+    if step_run.status == StepStatus.QUEUED:
+        step_acquire(step_run=step_run)
+
+
+def step_row_start(run: JobRun, index: int) -> StepRun:
+    """The row of a one-device step at `index`, its target and args resolved; StepRefused."""
+    spec = run.plan[index]
+    device, problem = step_target(run, spec)
+    if device is None:
+        raise StepRefused(spec["device"] or spec.get("device_param", ""), problem)
+    try:
+        args = step_args(run, spec["args"], device)
+    except templating.TemplateError as exc:
+        raise StepRefused(device.name, str(exc)) from None
+    return step_row_create(run=run, index=index, device=device, action=spec["action"], args=args)
+
+
+def step_row_create(
+    *, run: JobRun, index: int, device: Device, action: str, args: dict, phase: str = Phase.FORWARD
+) -> StepRun:
+    """The queued row of a step (once), with its queue deadline."""
+    spec = run.plan[index]
+    now = timezone.now()
+    try:
+        # Insert first: the row usually does not exist yet. A redelivered task hits the
+        # unique (run, phase, index, device) constraint and reads the row it made before.
+        with transaction.atomic():
+            step_run = StepRun.objects.create(
+                run=run,
+                phase=phase,
+                index=index,
+                device=device,
+                action=action,
+                args=args,
+                status=StepStatus.QUEUED,
+                queued_at=now,
+                deadline=now + timedelta(seconds=spec["queue_timeout_seconds"]),
+            )
+            event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
+    except IntegrityError:
+        step_run = StepRun.objects.select_related("device").get(
+            run=run, phase=phase, index=index, device=device
+        )
+    step_run.run = run
+    # Its queue deadline goes to Redis only if it has to wait (step_acquire): most steps get
+    # their device at once. Should this process die first, the database sweep finds the row.
+    return step_run
+
+
+step_kind_register(StepKind.COMMAND, command_start)

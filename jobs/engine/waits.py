@@ -1,0 +1,69 @@
+"""Step kinds that wait without a worker or a lock: a delay, or until a device is online."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from ..deadlines import Deadline, deadlines_set
+from ..events import event_record
+from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
+from .runs import run_continue
+from .start import step_kind_register, step_row_start
+
+
+def delay_start(run: JobRun, index: int) -> None:
+    """Wait plan[index].delay_seconds in the deadline set; the monitor's `wake` ends it."""
+    spec = run.plan[index]
+    now = timezone.now()
+    step_run, created = StepRun.objects.get_or_create(
+        run=run,
+        phase=Phase.FORWARD,
+        index=index,
+        device=None,
+        defaults={
+            "action": "delay",
+            "status": StepStatus.IN_PROGRESS,
+            "queued_at": now,
+            "dispatched_at": now,
+            "deadline": now + timedelta(seconds=spec["delay_seconds"]),
+        },
+    )
+    if created:
+        step_run.run = run
+        deadlines_set({Deadline("wake", step_run.pk, 0): step_run.deadline})
+        event_record("step.waiting", step_run=step_run, message=f"delay {spec['delay_seconds']}s")
+
+
+def delay_end(*, step_run: StepRun) -> None:
+    if StepRun.objects.filter(pk=step_run.pk, status=StepStatus.IN_PROGRESS).update(
+        status=StepStatus.SUCCEEDED, finished_at=timezone.now(), result={}
+    ):
+        step_run.status = StepStatus.SUCCEEDED
+        event_record("step.succeeded", step_run=step_run, message="delay over")
+        run_continue(step_run=step_run)
+
+
+def wait_online_start(run: JobRun, index: int) -> None:
+    wait_online_check(step_run=step_row_start(run, index))
+
+
+def wait_online_check(*, step_run: StepRun) -> bool:
+    """Succeed a wait-for-online step if its device is reachable; else it stays queued
+    (its queue deadline bounds the wait, jobs/presence.py re-checks on presence)."""
+    if not step_run.device.reachable:
+        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
+        event_record("step.waiting", step_run=step_run, message=f"until {step_run.device.name} is online")
+        return False
+    if StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED).update(
+        status=StepStatus.SUCCEEDED, finished_at=timezone.now(), result={"online": True}
+    ):
+        step_run.status = StepStatus.SUCCEEDED
+        event_record("step.succeeded", step_run=step_run, message=f"{step_run.device.name} is online")
+        run_continue(step_run=step_run)
+    return True
+
+
+step_kind_register(StepKind.DELAY, delay_start)
+step_kind_register(StepKind.WAIT_ONLINE, wait_online_start)

@@ -1,0 +1,203 @@
+"""The engine's inbox: device replies and run starts, handed to the workers in a Redis stream.
+
+The bridge appends each group of replies that arrived together, and `run_start` each run
+it created (on commit), to one stream, and wakes a worker with one `jobs.step_replies`
+task — only if no wake-up is outstanding (a flag set with NX that the draining task keeps
+alive), so one task at a time drains the stream. It takes what waits (about
+IOTQUEUE_REPLY_BATCH_MAX replies' worth of entries) through a consumer group, applies it
+as one batched transition (jobs/engine/batch.py), acknowledges it, and takes again until
+the stream is empty or its time slice is over. Under saturation batches thus grow by
+themselves, with no Celery message per reply or run and no two batches competing for the
+same rows; at low load a batch is the one reply that woke the worker.
+
+How it fails: an entry is acknowledged only after its batch committed and published. A
+worker that dies (or whose batch raised) leaves the entries it took pending under its
+consumer name; a retried task takes its own pending entries again first, and the monitor
+re-claims entries pending longer than RECLAIM_IDLE_SECONDS from consumers that are gone.
+A lost wake-up (its worker died before draining) is covered by the flag's expiry: the
+next entry appended after it sends a new one. Redis losing the stream loses what was in
+it, as it would lose Celery's queue: replies' attempts time out and are retried, and the
+monitor's sweep starts runs that stayed pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import redis
+from celery import current_app
+
+from iotqueue.redis_conn import redis_connection, redis_key
+
+DRAIN_TASK = "jobs.step_replies"
+GROUP = "workers"
+# A wake-up that was sent but never ran (its worker died first) stops blocking new ones
+# after this long.
+WAKE_TTL_MS = 5000
+# Entries pending this long under a consumer are taken over by the monitor (that consumer
+# is assumed gone: a batch takes milliseconds).
+RECLAIM_IDLE_SECONDS = 10.0
+# One task drains for at most this long, then hands over to a new task, so it never nears
+# Celery's time limits and other tasks get the worker too.
+DRAIN_SECONDS = 2.0
+# Entries hold a few replies each under load; this many make a batch of about
+# IOTQUEUE_REPLY_BATCH_MAX replies without holding a transaction open for long.
+REPLIES_PER_ENTRY = 8
+
+
+@dataclass
+class Work:
+    """What a batch of entries asks for: replies [[device, payload], ...] and runs to start."""
+
+    replies: list[list] = field(default_factory=list)
+    starts: list[str] = field(default_factory=list)
+
+
+# apply(work, finally_=hook): commits, then calls hook(pipe) on a pipeline it executes.
+Apply = Callable[..., None]
+
+
+def _stream() -> str:
+    return redis_key("inbox")
+
+
+def _wake() -> str:
+    return redis_key("inbox-wake")
+
+
+def consumer_name() -> str:
+    """This process's consumer name: a retried task in the same process finds its own."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _append(fields: dict[str, str]) -> None:
+    conn = redis_connection()
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.xadd(_stream(), fields)
+        pipe.set(_wake(), "1", nx=True, px=WAKE_TTL_MS)
+        _, wake = pipe.execute()
+    if wake:
+        current_app.signature(DRAIN_TASK).delay()
+
+
+def replies_enqueue(replies: list[list]) -> None:
+    """Bridge side: append a group of replies [[device, payload], ...]; wake a worker if due."""
+    _append({"r": json.dumps(replies, separators=(",", ":"))})
+
+
+def run_enqueue(run_id: str) -> None:
+    """Ask for a run (created and committed) to be started; wake a worker if due."""
+    _append({"s": run_id})
+
+
+def _group_ensure(conn: redis.Redis) -> None:
+    try:
+        conn.xgroup_create(_stream(), GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _read(conn: redis.Redis, *, count: int, own_pending: bool, last: bool = False) -> list[tuple[str, dict]]:
+    """Entries for this consumer: its own pending ones (id 0) or new ones (>).
+
+    Reading new entries keeps the wake flag alive (this drain is the outstanding wake-up);
+    the `last` read clears it first, so an entry appended after that read wakes a worker
+    and one appended before it is read here.
+    """
+    streams = {_stream(): "0" if own_pending else ">"}
+    for _ in range(2):
+        try:
+            with conn.pipeline(transaction=False) as pipe:
+                if last:
+                    pipe.delete(_wake())
+                else:
+                    pipe.set(_wake(), "1", px=WAKE_TTL_MS)
+                pipe.xreadgroup(GROUP, consumer_name(), streams, count=count)
+                answer = pipe.execute()[-1]
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            _group_ensure(conn)  # first use, or Redis lost its data: read again
+            continue
+        return answer[0][1] if answer else []
+    return []
+
+
+def _work(entries: list[tuple[str, dict]]) -> Work:
+    work = Work()
+    for _, fields in entries:
+        if not fields:
+            continue  # deleted meanwhile
+        if "r" in fields:
+            work.replies.extend(json.loads(fields["r"]))
+        if "s" in fields:
+            work.starts.append(fields["s"])
+    return work
+
+
+def entries_done(ids: list[str], pipe: Any) -> None:
+    """Acknowledge and delete applied entries (joins the caller's pipeline)."""
+    if ids:
+        pipe.xack(_stream(), GROUP, *ids)
+        pipe.xdel(_stream(), *ids)
+
+
+def inbox_drain(apply: Apply, *, batch_max: int, retried: bool) -> int:
+    """Worker side: take, apply and acknowledge entries until none wait; returns entries.
+
+    A raise in `apply` leaves the entries it got pending (the task is retried).
+    """
+    conn = redis_connection()
+    count = max(1, batch_max // REPLIES_PER_ENTRY)
+    done = 0
+    own_pending = retried
+    stop = time.monotonic() + DRAIN_SECONDS
+    while time.monotonic() < stop:
+        entries = _read(conn, count=count, own_pending=own_pending)
+        if not entries and own_pending:
+            own_pending = False
+            continue
+        if not entries:
+            entries = _read(conn, count=count, own_pending=False, last=True)
+        if not entries:
+            return done
+        apply(_work(entries), finally_=partial(entries_done, [entry_id for entry_id, _ in entries]))
+        done += len(entries)
+    # Time slice over with entries perhaps still waiting: hand the drain to a new task
+    # (the wake flag stays set, so it is the only one).
+    current_app.signature(DRAIN_TASK).delay()
+    return done
+
+
+def inbox_reclaim(apply: Apply, *, count: int) -> int:
+    """Monitor side: apply entries left pending by consumers that are gone; returns entries."""
+    conn = redis_connection()
+    try:
+        _, entries, _ = conn.xautoclaim(
+            _stream(), GROUP, "reclaim", int(RECLAIM_IDLE_SECONDS * 1000), start_id="0-0", count=count
+        )
+    except redis.ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
+        return 0
+    if not entries:
+        return 0
+    ids = [entry_id for entry_id, _ in entries]
+    try:
+        apply(_work(entries))
+    finally:
+        # Acknowledged even when applying failed again: an entry that fails twice would
+        # otherwise come back forever; its attempts end by their own deadlines and its
+        # runs are found by the monitor's sweep.
+        with conn.pipeline(transaction=False) as pipe:
+            entries_done(ids, pipe)
+            pipe.execute()
+    return len(entries)

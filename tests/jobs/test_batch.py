@@ -1,0 +1,162 @@
+"""What batching could break: replies applied together (jobs/engine/batch.py) and the
+engine's inbox (jobs/inbox.py) — against the real Redis, broker, worker, bridge and beat.
+
+A batch is driven here by calling the engine's batch entry point in the test process (the
+same code a worker runs), so that its contents and the moment of a fault are chosen
+exactly; the run around it is started and continued by the real stack.
+"""
+
+import json
+
+import pytest
+from django.db import OperationalError
+
+from devices.locks import device_lock_state
+from devices.protocol import Reply
+from iotqueue.redis_conn import redis_connection
+from jobs import inbox
+from jobs.cancel import run_cancel
+from jobs.engine import batch as engine_batch
+from jobs.events import EventLog
+from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
+from jobs.services import run_start
+from tests.conftest import wait_for
+from tests.factories import DeviceFactory, template_with_steps
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+
+def done(command_id: str, ok: bool = True) -> Reply:
+    return Reply(kind="done", command_id=command_id, ok=ok, result={"ok": ok})
+
+
+def two_steps_on_one_device(manual_device):
+    """A run of two steps on one hand-driven device, its first command received."""
+    device = DeviceFactory()
+    hand = manual_device(device.name)
+    run, _ = run_start(template=template_with_steps((device, "first", {}), (device, "second", {})))
+    first = hand.next_command()
+    assert first["step"] == 0
+    return device, hand, run, first
+
+
+def kinds(run: JobRun) -> list[str]:
+    return list(RunEvent.objects.filter(run=run).order_by("id").values_list("kind", flat=True))
+
+
+def test_two_replies_for_one_device_in_one_batch_apply_once(stack, manual_device):
+    # given a step in flight on a device
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+
+    # when its ack, its done and the same done again arrive in one batch
+    ack = Reply(kind="ack", command_id=first["id"])
+    engine_batch.transition_apply(
+        replies=[(device.name, ack), (device.name, done(first["id"])), (device.name, done(first["id"]))]
+    )
+
+    # then the attempt went in progress and ended once, the copy is recorded as stale,
+    # and the same device got the next step under a newer fencing token
+    step0 = StepRun.objects.get(run=run, index=0)
+    assert step0.status == StepStatus.SUCCEEDED and step0.acked_at is not None
+    events = kinds(run)
+    assert events.count("step.in_progress") == 1 and events.count("step.succeeded") == 1
+    assert RunEvent.objects.filter(kind="reply.stale", step_run=step0).count() == 1
+    second = hand.next_command()
+    step1 = StepRun.objects.get(run=run, index=1)
+    assert (second["step"], second["id"], step1.status) == (1, step1.command_id, StepStatus.DISPATCHED)
+    assert second["token"] > first["token"]
+    assert device_lock_state(device.name).holder == f"step:{step1.pk}"
+
+    # and the run finishes when the device answers the second command
+    hand.done(second["id"])
+    wait_for(lambda: JobRun.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED, what="the run to succeed")
+
+
+def test_a_cancel_between_reading_and_writing_a_batch_wins(stack, manual_device, monkeypatch):
+    # given a step in flight, and a cancel that lands after the batch read its row
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    real_init = engine_batch._Batch.__init__
+
+    def cancel_after_read(self, rows):
+        real_init(self, rows)
+        run_cancel(run=JobRun.objects.get(pk=run.pk), by="tester")
+
+    monkeypatch.setattr(engine_batch._Batch, "__init__", cancel_after_read)
+
+    # when the device's done for that step is applied
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then the cancel stands: nothing of the batch was half applied, the late done is
+    # recorded as stale, no next step exists, and the device lock was handed on (free)
+    run.refresh_from_db()
+    step0 = StepRun.objects.get(run=run, index=0)
+    assert (run.status, step0.status) == (RunStatus.CANCELED, StepStatus.CANCELED)
+    assert not StepRun.objects.filter(run=run, index=1).exists()
+    assert RunEvent.objects.filter(kind="reply.stale", step_run=step0).exists()
+    assert device_lock_state(device.name).holder is None
+    assert hand.next_command()["action"] == "cancel"
+
+
+def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manual_device, monkeypatch):
+    # given a step in flight, and a database failure right after the batch's lock call
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    step0 = StepRun.objects.get(run=run, index=0)
+    real_insert = EventLog.insert
+    failures = []
+
+    def insert_failing_once(self):
+        if not failures:
+            failures.append(1)
+            raise OperationalError("disk I/O error (injected)")
+        real_insert(self)
+
+    monkeypatch.setattr(EventLog, "insert", insert_failing_once)
+
+    # when the device's done is applied, the transaction fails
+    with pytest.raises(OperationalError):
+        engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then nothing is half applied: the attempt is still in flight, the run did not move,
+    # no next row exists, and the lock the batch took for it was given back
+    step0.refresh_from_db()
+    assert (step0.status, step0.command_id) == (StepStatus.DISPATCHED, first["id"])
+    assert JobRun.objects.get(pk=run.pk).cursor == 0
+    assert not StepRun.objects.filter(run=run, index=1).exists()
+    assert device_lock_state(device.name).holder is None
+
+    # when the same reply is applied again (the task's retry)
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then it applies once, and the only command the device got next is the committed one
+    step0.refresh_from_db()
+    step1 = StepRun.objects.get(run=run, index=1)
+    assert step0.status == StepStatus.SUCCEEDED
+    second = hand.next_command()
+    assert (second["step"], second["id"]) == (1, step1.command_id)
+    assert second["token"] > first["token"]
+    assert device_lock_state(device.name).holder == f"step:{step1.pk}"
+
+
+def test_a_batch_taken_by_a_worker_that_died_is_reclaimed_and_applied(stack, manual_device):
+    # given a step in flight, and its done taken from the inbox by a worker that then died
+    # (read under its consumer name, never acknowledged)
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    conn = redis_connection()
+    inbox._group_ensure(conn)
+    reply = done(first["id"]).as_task_payload()
+    with conn.pipeline(transaction=True) as pipe:  # atomic: no live worker can take it first
+        pipe.xadd(inbox._stream(), {"r": json.dumps([[device.name, reply]])})
+        pipe.xreadgroup(inbox.GROUP, "worker-that-died", {inbox._stream(): ">"}, count=10)
+        _, taken = pipe.execute()
+    assert taken and taken[0][1], "the dead worker's read took the entry"
+
+    # then the monitor takes the entry over once it has been pending long enough, and
+    # the run moves on exactly once
+    second = hand.next_command(timeout=inbox.RECLAIM_IDLE_SECONDS + 15)
+    assert second["step"] == 1
+    step0 = StepRun.objects.get(run=run, index=0)
+    assert step0.status == StepStatus.SUCCEEDED
+    assert kinds(run).count("step.succeeded") == 1
+    wait_for(
+        lambda: conn.xpending(inbox._stream(), inbox.GROUP)["pending"] == 0, what="the entry acknowledged"
+    )
