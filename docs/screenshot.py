@@ -9,10 +9,10 @@ Chromium and Playwright's Python package (whose own browser download is not used
 
 It starts a throwaway stack in a temporary directory (embedded Redis and MQTT broker, a new
 SQLite database, worker, beat, bridge, runserver, simulated devices in this process), runs
-SCENARIOS.md #3 (provisioning with rollback) with a fan-out step added, lets a device send a
-malformed reply during the run and a late duplicate after it, logs in as a throwaway
-superuser and screenshots the finished run's page. Everything it started is stopped and the
-directory removed; nothing else is touched.
+the database-provisioning example with rollback (docs/orchestration.md) with a fan-out step
+added, lets a device send a malformed reply during the run and a late duplicate after it,
+logs in as a throwaway superuser and screenshots the finished run's page. Everything it
+started is stopped and the directory removed; nothing else is touched.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def scenario_seed():
     for name, labels in DEVICES.items():
         Device.objects.create(name=name, labels=labels, description="screenshot agent")
     template = JobTemplate.objects.create(
-        name="Provision MySQL instance", description="SCENARIOS.md #3 with a fan-out registration"
+        name="Provision MySQL instance", description="Provisioning with rollback, plus a fan-out registration"
     )
     for position, spec in enumerate(STEPS):
         spec = dict(spec)
