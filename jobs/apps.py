@@ -7,7 +7,7 @@ class JobsConfig(AppConfig):
     name = "jobs"
 
     def ready(self) -> None:
-        from devices import protocol
+        from devices import protocol, task_lock
         from devices.lock_recovery import (
             lease_expiry_register,
             rebuild_after_register,
@@ -23,6 +23,8 @@ class JobsConfig(AppConfig):
         # The device lock starts, reclaims and rebuilds "step:" holders through these.
         grant_handler_register(engine.plan.HOLDER_KIND, step_handoff)
         lease_expiry_register(engine.plan.HOLDER_KIND, step_locks.step_lease_expired)
+        # Other holders (a DeviceLockedTask) are passed on as without jobs, with an event.
+        lease_expiry_register(task_lock.HOLDER_KIND, step_locks.step_lease_expired)
         rebuild_source_register(step_locks.step_lock_records)
         rebuild_after_register(step_locks.steps_after_rebuild)
         for kind in protocol.REPLY_KINDS:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from functools import partial
 
+from django.db import transaction
 from django.utils import timezone
 
 from devices import protocol
@@ -21,6 +23,7 @@ from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, S
 CANCEL_ID_PREFIX = "cancel-"
 
 
+@transaction.atomic
 def run_cancel(*, run: JobRun, by: str) -> bool:
     """Cancel a pending or running run; False when it had already ended.
 
@@ -49,7 +52,7 @@ def step_cancel(*, step_run: StepRun, reason: str) -> None:
     step_run.status = StepStatus.CANCELED
     deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
-        _cancel_command_send(step_run)
+        transaction.on_commit(partial(_cancel_command_send, step_run))
         device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     elif step_run.device_id:
         device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
@@ -73,6 +76,7 @@ def _cancel_command_send(step_run: StepRun) -> None:
         event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
 
 
+@transaction.atomic
 def lock_force_release(*, device: Device, by: str) -> str | None:
     """Take the lock from whoever holds it (audited); returns the holder it was taken from.
 

@@ -27,6 +27,7 @@ from iotqueue.metrics import (
 )
 
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
+from .rows import rows_insert
 
 log = logging.getLogger("jobs.timeline")
 
@@ -94,6 +95,10 @@ def event_record(
     return event
 
 
+# What a batch writes of each event (its id is not read back; nothing refers to it).
+EVENT_FIELDS = ["run", "step_run", "kind", "device", "message", "data", "created_at"]
+
+
 class EventLog:
     """The events of one batched transition: written in one INSERT, counted in one batch.
 
@@ -113,7 +118,10 @@ class EventLog:
         """Write the events gathered so far (one statement) and start afresh."""
         if self.events:
             events, self.events = self.events, []
-            RunEvent.objects.bulk_create(events)
+            now = timezone.now()
+            for event in events:
+                event.created_at = now
+            rows_insert(RunEvent, events, EVENT_FIELDS)
             for event in events:
                 if event.kind in RUN_END_KINDS:
                     run_ended.send(sender=RunEvent, event=event)

@@ -3,8 +3,9 @@
 The bridge appends each group of replies that arrived together, and `run_start` each run
 it created (on commit), to one stream, and wakes a worker with one `jobs.step_replies`
 task — only if no wake-up is outstanding (a flag set with NX that the draining task keeps
-alive), so one task at a time drains the stream. It takes what waits (about
-IOTQUEUE_REPLY_BATCH_MAX replies' worth of entries) through a consumer group, applies it
+alive), so one task at a time drains the stream (and, while a backlog lasts, one
+helper beside it). It takes what waits (up to IOTQUEUE_REPLY_BATCH_MAX entries) through a
+consumer group, applies it
 as one batched transition (jobs/engine/batch.py), acknowledges it, and takes again until
 the stream is empty or its time slice is over. Under saturation batches thus grow by
 themselves, with no Celery message per reply or run and no two batches competing for the
@@ -23,6 +24,7 @@ monitor's sweep starts runs that stayed pending.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -36,6 +38,8 @@ from celery import current_app
 
 from iotqueue.redis_conn import redis_connection, redis_key
 
+log = logging.getLogger(__name__)
+
 DRAIN_TASK = "jobs.step_replies"
 GROUP = "workers"
 # A wake-up that was sent but never ran (its worker died first) stops blocking new ones
@@ -44,12 +48,12 @@ WAKE_TTL_MS = 5000
 # Entries pending this long under a consumer are taken over by the monitor (that consumer
 # is assumed gone: a batch takes milliseconds).
 RECLAIM_IDLE_SECONDS = 10.0
+# A drain that finds this many replies and starts waiting at once calls in a helper drain
+# (a second worker process shares the backlog).
+HELPER_BACKLOG = 4
 # One task drains for at most this long, then hands over to a new task, so it never nears
 # Celery's time limits and other tasks get the worker too.
 DRAIN_SECONDS = 2.0
-# Entries hold a few replies each under load; this many make a batch of about
-# IOTQUEUE_REPLY_BATCH_MAX replies without holding a transaction open for long.
-REPLIES_PER_ENTRY = 8
 
 
 @dataclass
@@ -68,8 +72,8 @@ def _stream() -> str:
     return redis_key("inbox")
 
 
-def _wake() -> str:
-    return redis_key("inbox-wake")
+def _wake(helper: bool = False) -> str:
+    return redis_key("inbox-helper" if helper else "inbox-wake")
 
 
 def consumer_name() -> str:
@@ -105,22 +109,30 @@ def _group_ensure(conn: redis.Redis) -> None:
             raise
 
 
-def _read(conn: redis.Redis, *, count: int, own_pending: bool, last: bool = False) -> list[tuple[str, dict]]:
+def _read(
+    conn: redis.Redis,
+    *,
+    count: int,
+    own_pending: bool,
+    last: bool = False,
+    block_ms: int = 0,
+    helper: bool = False,
+) -> list[tuple[str, dict]]:
     """Entries for this consumer: its own pending ones (id 0) or new ones (>).
 
     Reading new entries keeps the wake flag alive (this drain is the outstanding wake-up);
     the `last` read clears it first, so an entry appended after that read wakes a worker
-    and one appended before it is read here.
+    and one appended before it is read here. `block_ms` waits that long for an entry.
     """
     streams = {_stream(): "0" if own_pending else ">"}
     for _ in range(2):
         try:
             with conn.pipeline(transaction=False) as pipe:
                 if last:
-                    pipe.delete(_wake())
+                    pipe.delete(_wake(helper))
                 else:
-                    pipe.set(_wake(), "1", px=WAKE_TTL_MS)
-                pipe.xreadgroup(GROUP, consumer_name(), streams, count=count)
+                    pipe.set(_wake(helper), "1", px=WAKE_TTL_MS)
+                pipe.xreadgroup(GROUP, consumer_name(), streams, count=count, block=block_ms or None)
                 answer = pipe.execute()[-1]
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -150,30 +162,45 @@ def entries_done(ids: list[str], pipe: Any) -> None:
         pipe.xdel(_stream(), *ids)
 
 
-def inbox_drain(apply: Apply, *, batch_max: int, retried: bool) -> int:
+def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, helper: bool = False) -> int:
     """Worker side: take, apply and acknowledge entries until none wait; returns entries.
 
-    A raise in `apply` leaves the entries it got pending (the task is retried).
+    When the inbox is empty the drain waits up to `linger_ms` for a next entry before it
+    returns (0: not at all). A drain that keeps finding a full batch waiting calls in one
+    `helper` drain (a second worker process) until the backlog is gone. A raise in `apply`
+    leaves the entries it got pending (the task is retried).
     """
     conn = redis_connection()
-    count = max(1, batch_max // REPLIES_PER_ENTRY)
+    count = max(1, batch_max)
     done = 0
     own_pending = retried
     stop = time.monotonic() + DRAIN_SECONDS
     while time.monotonic() < stop:
-        entries = _read(conn, count=count, own_pending=own_pending)
+        entries = _read(conn, count=count, own_pending=own_pending, helper=helper)
         if not entries and own_pending:
             own_pending = False
             continue
+        if not entries and helper:
+            conn.delete(_wake(helper=True))
+            return done
+        if not entries and linger_ms:
+            # Stay a moment: at a steady trickle the next entry comes before a new task would.
+            entries = _read(conn, count=count, own_pending=False, block_ms=linger_ms)
         if not entries:
             entries = _read(conn, count=count, own_pending=False, last=True)
         if not entries:
             return done
+        if (
+            len(entries) == count
+            and not helper
+            and conn.set(_wake(helper=True), "1", nx=True, px=WAKE_TTL_MS)
+        ):
+            current_app.signature(DRAIN_TASK, kwargs={"helper": True}).delay()
         apply(_work(entries), finally_=partial(entries_done, [entry_id for entry_id, _ in entries]))
         done += len(entries)
     # Time slice over with entries perhaps still waiting: hand the drain to a new task
-    # (the wake flag stays set, so it is the only one).
-    current_app.signature(DRAIN_TASK).delay()
+    # (its wake flag stays set, so it is the only one of its kind).
+    current_app.signature(DRAIN_TASK, kwargs={"helper": helper}).delay()
     return done
 
 
@@ -193,6 +220,8 @@ def inbox_reclaim(apply: Apply, *, count: int) -> int:
     ids = [entry_id for entry_id, _ in entries]
     try:
         apply(_work(entries))
+    except Exception:
+        log.exception("inbox: re-claimed entries %s failed again; dropping them", ids)
     finally:
         # Acknowledged even when applying failed again: an entry that fails twice would
         # otherwise come back forever; its attempts end by their own deadlines and its

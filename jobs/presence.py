@@ -1,6 +1,8 @@
-"""How runs react to a device's presence: resume waiting steps, end attempts on dropout."""
+"""How runs react to a device's presence: resume waiting steps, record a dropout mid-step."""
 
 from __future__ import annotations
+
+from django.db import transaction
 
 from .engine.dispatch import step_acquire
 from .engine.plan import step_spec
@@ -9,6 +11,7 @@ from .events import event_record
 from .models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 
 
+@transaction.atomic
 def device_online(*, name: str) -> int:
     """The device is back: its waiting steps ask for the lock, oldest first."""
     waiting = (
@@ -31,6 +34,7 @@ def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
         step_acquire(step_run=step_run, quiet=quiet)
 
 
+@transaction.atomic
 def device_offline(*, name: str) -> int:
     """The device dropped off mid-step: recorded; the attempt ends by its own deadline.
 

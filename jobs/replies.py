@@ -26,6 +26,7 @@ reply_batcher = Batcher(
     replies_enqueue,
     max_items=settings.IOTQUEUE_REPLY_BATCH_MAX,
     idle_seconds=settings.IOTQUEUE_REPLY_BATCH_IDLE_MS / 1000,
+    max_wait_seconds=settings.IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS / 1000,
     name="replies",
 )
 

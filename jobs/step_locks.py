@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from django.db import transaction
 from django.db.models import Max
 
 from devices.lock_recovery import LockRecord
@@ -37,8 +38,10 @@ DEADLINE_KIND_FOR_STATUS = {
 }
 
 
+@transaction.atomic
 def step_lease_expired(device: str, grant: Grant) -> None:
-    """A step holder's lease ran out: end its attempt if it is still executing, pass on."""
+    """A holder's lease ran out: a step still executing ends its attempt; any other holder
+    (a step that never dispatched, a locked Celery task) is recorded and passed on."""
     step_id = holder_step_id(grant.holder)
     step_run = StepRun.objects.select_related("run", "device").filter(pk=step_id).first()
     if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == grant.fence:

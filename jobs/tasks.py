@@ -36,14 +36,18 @@ def run_advance_task(run_id: str) -> None:
     default_retry_delay=0.2,
     max_retries=10,
 )
-def inbox_drain_task(self, items: list[list] | None = None) -> int:
+def inbox_drain_task(self, items: list[list] | None = None, helper: bool = False) -> int:
     """Apply what waits in the engine's inbox (jobs/inbox.py); or `items` (replies) given."""
     try:
         if items:
             batch.inbox_apply(inbox.Work(replies=items))
             return len(items)
         return inbox.inbox_drain(
-            batch.inbox_apply, batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX, retried=self.request.retries > 0
+            batch.inbox_apply,
+            batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX,
+            linger_ms=settings.IOTQUEUE_INBOX_LINGER_MS,
+            retried=self.request.retries > 0,
+            helper=helper,
         )
     finally:
         dispatch.commands_settle()

@@ -16,7 +16,7 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
 Step kinds other than a plain command register themselves: waits.py (delay,
 wait_online), fanout.py (group / label fan-out), rollback.py (the `rollback` failure
 policy and its compensation rows). due.py maps each deadline kind to its handler.
-Imports point down this list (a later stage imports an earlier one, never the reverse),
+Imports point down this list (a module imports only those below it, never the reverse),
 so there is no cycle; importing this package loads every kind so the registries are full.
 
 Step:  pending -> queued -> dispatched -> in_progress -> succeeded | failed | timed_out

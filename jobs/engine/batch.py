@@ -33,7 +33,8 @@ way, and the error is raised so the task runs again (the ended attempts are stil
 flight in the database, so the replies apply again; their releases are then stale and
 change nothing). A worker killed inside that window leaves a lock held for a row that
 was never committed; its lease runs out and the monitor passes it on
-(devices/lock_recovery.py), and the redelivered task applies the replies again.
+(devices/lock_recovery.py), and the monitor takes over the inbox entries the dead
+worker had read and applies them again (jobs/inbox.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from functools import partial
 from typing import Any
 from uuid import UUID
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from devices import protocol
@@ -69,6 +70,7 @@ from ..deadlines import Deadline, deadline_score, deadlines_key
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
+from ..rows import rows_update
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new, commands_confirmed, commands_publish, step_dispatch
 from .plan import (
@@ -191,33 +193,6 @@ def _transition(batch: _Batch, prepare: Callable[[], None], one_at_a_time: Calla
         _safely(work)
 
 
-def rows_update(model, rows: list, fields: list[str], *, status_in: tuple, match: str = "") -> int:
-    """UPDATE each row's `fields` by primary key while its status is one of `status_in`
-    (and its `match` field still has the value the row holds); returns the rows changed.
-
-    One statement for all rows (executemany): a compare-and-set per row at the cost of a
-    plain UPDATE, where the ORM's bulk_update would build a CASE per field and row.
-    """
-    if not rows:
-        return 0
-    meta, quote = model._meta, connection.ops.quote_name
-    columns = [meta.get_field(name) for name in fields]
-    sets = ", ".join(f"{quote(c.column)} = %s" for c in columns)
-    where = f"{quote(meta.pk.column)} = %s AND {quote('status')} IN ({', '.join(['%s'] * len(status_in))})"
-    guard = [meta.get_field(match)] if match else []
-    if guard:
-        where += f" AND {quote(guard[0].column)} = %s"
-    params = [
-        [c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns]
-        + [meta.pk.get_db_prep_value(row.pk, connection), *status_in]
-        + [c.get_db_prep_value(getattr(row, c.attname), connection) for c in guard]
-        for row in rows
-    ]
-    with connection.cursor() as cursor:
-        cursor.executemany(f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params)
-        return cursor.rowcount
-
-
 def _safely(work: Callable[[], None]) -> None:
     """General-path work after the commit: one failing must not stop the rest."""
     try:
@@ -227,7 +202,7 @@ def _safely(work: Callable[[], None]) -> None:
 
 
 class _Batch:
-    """The state of one batched transition, in the order `replies_apply` builds it."""
+    """The state of one batched transition, in the order `_transition` builds it."""
 
     def __init__(self, rows: dict[str, StepRun]) -> None:
         self.rows = rows

@@ -4,7 +4,7 @@ No function here waits for a device. A queued step asks for its device's lock; w
 granted the attempt is committed (command id, fence, deadlines) and only then is the
 command published (the row is the outbox entry: a fast reply always finds it). A step
 for a busy device waits in the device's FIFO queue and is dispatched by whoever hands the
-lock on (devices/locks.py grant handlers, registered by jobs/engine/__init__.py).
+lock on (devices/locks.py grant handlers; jobs/apps.py registers `step_handoff`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 # A command committed but not confirmed published by then is sent again (outbox): covers
 # a worker that died between commit and publish, and a broker that refused the publish.
 SEND_CHECK_SECONDS = 5.0
+# A step handed its device's lock before its row was committed is looked at again after
+# this long (the creating transaction takes milliseconds).
+UNCOMMITTED_ROW_RETRY_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,12 @@ def step_dispatch(
     if step_run is None:
         step_run = StepRun.objects.select_related("run", "device").filter(pk=step_run_id).first()
         if step_run is None:
-            return  # its creating transaction rolled back; the lease reclaims the lock
+            # Handed the lock before the transaction that created the row committed (two
+            # batches at once): look again shortly. A row that never commits (rolled back)
+            # keeps the lock until its lease runs out and the monitor passes it on.
+            retry_at = timezone.now() + timedelta(seconds=UNCOMMITTED_ROW_RETRY_SECONDS)
+            deadlines_set({Deadline("dispatch", step_run_id, 0): retry_at})
+            return
     if step_run.status != StepStatus.QUEUED or step_run.run.status not in RUN_ACTIVE:
         if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
             return  # redelivered task: already dispatched under this grant
@@ -171,6 +180,13 @@ def step_dispatch(
             step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
         )
     device_flow_record(step_run.device)
+    # Published once the transition commits (at once outside a transaction): a caller that
+    # dispatches as part of a larger transition keeps commit-before-publish.
+    transaction.on_commit(partial(command_send_checked, step_run=step_run))
+
+
+def command_send_checked(*, step_run: StepRun) -> None:
+    """Publish the command; its `send` check is cleared once the broker confirmed it."""
     if command_send(step_run=step_run):
         deadlines_clear([Deadline("send", step_run.pk, step_run.attempt)])
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django.db import transaction
+
 from ..deadlines import Deadline
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
@@ -75,6 +77,7 @@ DEADLINE_HANDLERS: dict[str, DeadlineHandler] = {
 }
 
 
+@transaction.atomic
 def step_deadline(*, deadline: Deadline) -> None:
     """Act on a due deadline if the step is still where the deadline expected it."""
     step_run = StepRun.objects.select_related("run", "device").filter(pk=deadline.step_run_id).first()

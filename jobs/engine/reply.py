@@ -7,6 +7,7 @@ else to (unknown, foreign, stale), and the one an old `jobs.step_reply` task tak
 
 from __future__ import annotations
 
+from django.db import transaction
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -19,6 +20,7 @@ from .plan import command_id_step
 from .runs import attempt_end_continue
 
 
+@transaction.atomic
 def step_reply(*, device: str, reply: protocol.Reply) -> None:
     """Apply a device's ack/progress/done to the attempt it answers, if that is current."""
     step_run = StepRun.objects.select_related("run", "device").filter(command_id=reply.command_id).first()

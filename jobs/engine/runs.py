@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django.db import transaction
 from django.utils import timezone
 
 from ..events import event_record
@@ -43,6 +44,7 @@ def failure_policy_register(policy: str, handler: FailurePolicy) -> None:
     _failure_policies[policy] = handler
 
 
+@transaction.atomic
 def run_advance(*, run_id: str) -> None:
     """Start a pending run, or (re)start the step at a running run's cursor (idempotent)."""
     run = JobRun.objects.get(pk=run_id)
