@@ -38,9 +38,11 @@ SEED = 20240611
 # The targets. Hand-off is judged on the paced phase (see bench/README.md).
 TARGETS = {
     "ratio_min": 0.5,
-    "handoff_p50_max_ms": 10.0,
-    "handoff_p99_max_ms": 50.0,
+    "handoff_p50_max_ms": 5.0,
+    "handoff_p99_max_ms": 20.0,
     "monitor_tick_max_ms": 50.0,
+    "commits_per_step_max": 1.0,
+    "statements_per_step_max": 5.0,
 }
 
 
@@ -269,11 +271,16 @@ def _targets(result: dict[str, Any]) -> dict[str, bool | None]:
     def below(value: float | None, limit: float) -> bool | None:
         return None if value is None else value < limit
 
+    def at_most(value: float | None, limit: float) -> bool | None:
+        return None if value is None else value <= limit
+
     return {
         "ratio": None if result["ratio"] is None else result["ratio"] >= TARGETS["ratio_min"],
         "handoff_p50": below(result["paced_handoff_p50_ms"], TARGETS["handoff_p50_max_ms"]),
         "handoff_p99": below(result["paced_handoff_p99_ms"], TARGETS["handoff_p99_max_ms"]),
         "monitor_tick": below(result["monitor_tick_ms"], TARGETS["monitor_tick_max_ms"]),
+        "commits_per_step": at_most(result.get("commits_per_step"), TARGETS["commits_per_step_max"]),
+        "statements_per_step": at_most(result.get("statements_per_step"), TARGETS["statements_per_step_max"]),
     }
 
 
