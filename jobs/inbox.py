@@ -48,9 +48,6 @@ WAKE_TTL_MS = 5000
 # Entries pending this long under a consumer are taken over by the monitor (that consumer
 # is assumed gone: a batch takes milliseconds).
 RECLAIM_IDLE_SECONDS = 10.0
-# A drain that finds this many replies and starts waiting at once calls in a helper drain
-# (a second worker process shares the backlog).
-HELPER_BACKLOG = 4
 # One task drains for at most this long, then hands over to a new task, so it never nears
 # Celery's time limits and other tasks get the worker too.
 DRAIN_SECONDS = 2.0
@@ -166,8 +163,9 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
     """Worker side: take, apply and acknowledge entries until none wait; returns entries.
 
     When the inbox is empty the drain waits up to `linger_ms` for a next entry before it
-    returns (0: not at all). A drain that keeps finding a full batch waiting calls in one
-    `helper` drain (a second worker process) until the backlog is gone. A raise in `apply`
+    returns (0: not at all). A read that comes back full (`batch_max` entries: a backlog)
+    calls in one `helper` drain, a second worker process that shares the backlog and returns
+    as soon as it finds the inbox empty. A raise in `apply`
     leaves the entries it got pending (the task is retried).
     """
     conn = redis_connection()
