@@ -74,21 +74,14 @@ def event_new(
     return RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
 
 
-def event_record(
-    kind: str,
-    *,
-    run: JobRun | None = None,
-    step_run: StepRun | None = None,
-    device: str = "",
-    message: str = "",
-    **data: Any,
-) -> RunEvent:
-    """Append an event, log it with the run, step, device and command id, count it."""
-    event = event_new(kind, run=run, step_run=step_run, device=device, message=message, **data)
+def event_record(kind: str, **fields: Any) -> RunEvent:
+    """Append an event (fields as `event_new`), log it with the run, step, device and
+    command id, count it."""
+    event = event_new(kind, **fields)
     event.save(force_insert=True)
     if kind in RUN_END_KINDS:
         run_ended.send(sender=RunEvent, event=event)
-    batch = event_metrics(kind, step_run)
+    batch = event_metrics(kind, fields.get("step_run"))
     if batch:
         # Counted once the transition is committed: a rolled-back one never happened.
         transaction.on_commit(batch.send)
