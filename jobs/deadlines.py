@@ -51,9 +51,6 @@ def deadline_score(when: datetime | float) -> int:
     return _ms(when)
 
 
-_key = deadlines_key
-
-
 @functools.cache
 def _claim_script():
     return redis_connection().register_script((Path(__file__).with_name("lua") / "claim_due.lua").read_text())
@@ -68,20 +65,20 @@ def deadlines_set(entries: dict[Deadline, datetime | float], *, pipe=None) -> No
     if not entries:
         return
     target = pipe if pipe is not None else redis_connection()
-    target.zadd(_key(), {d.member: _ms(when) for d, when in entries.items()})
+    target.zadd(deadlines_key(), {d.member: _ms(when) for d, when in entries.items()})
 
 
 def deadlines_clear(deadlines: list[Deadline], *, pipe=None) -> None:
     if deadlines:
         target = pipe if pipe is not None else redis_connection()
-        target.zrem(_key(), *[d.member for d in deadlines])
+        target.zrem(deadlines_key(), *[d.member for d in deadlines])
 
 
 def deadlines_claim(*, limit: int, now: float | None = None) -> list[Deadline]:
     """Atomically take up to `limit` deadlines that are due (earliest first)."""
-    members = _claim_script()(keys=[_key()], args=[_ms(time.time() if now is None else now), limit])
+    members = _claim_script()(keys=[deadlines_key()], args=[_ms(time.time() if now is None else now), limit])
     return [Deadline.parse(m) for m in members]
 
 
 def deadlines_pending() -> int:
-    return redis_connection().zcard(_key())
+    return redis_connection().zcard(deadlines_key())

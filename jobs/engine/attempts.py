@@ -90,30 +90,13 @@ def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadlin
     return cleared, retry
 
 
-def attempt_end(
-    *,
-    step_run: StepRun,
-    command_id: str,
-    ok: bool,
-    result: dict | None = None,
-    error: str = "",
-    retryable: bool = False,
-    timed_out: bool = False,
-) -> bool:
-    """End the in-flight attempt `command_id` once; False when it had already ended.
-
-    The row is updated in memory too; the caller continues the run when the row ended
-    for good (status not `retrying`).
+def attempt_end(*, step_run: StepRun, command_id: str, **how: Any) -> bool:
+    """End the in-flight attempt `command_id` once, as `how` says (the arguments of
+    `attempt_outcome`: ok, result, error, retryable, timed_out); False when it had already
+    ended. The row is updated in memory too; the caller continues the run when the row
+    ended for good (status not `retrying`).
     """
-    outcome = attempt_outcome(
-        step_run,
-        ok=ok,
-        result=result,
-        error=error,
-        retryable=retryable,
-        timed_out=timed_out,
-        now=timezone.now(),
-    )
+    outcome = attempt_outcome(step_run, now=timezone.now(), **how)
     with transaction.atomic():
         ended = StepRun.objects.filter(
             pk=step_run.pk, command_id=command_id, fence=step_run.fence, status__in=STEP_IN_FLIGHT

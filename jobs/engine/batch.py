@@ -66,7 +66,7 @@ from devices.models import Device
 from iotqueue.redis_conn import redis_connection
 
 from .. import templating
-from ..deadlines import Deadline, deadline_score, deadlines_key
+from ..deadlines import Deadline, deadline_score, deadlines_clear, deadlines_key, deadlines_set
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
@@ -215,7 +215,7 @@ class _Batch:
         self.moved: list[JobRun] = []
         self.finished: list[JobRun] = []
         self.starting: list[JobRun] = []
-        self.new_rows: list[tuple[StepRun, Attempt]] = []
+        self.new_rows: list[StepRun] = []
         self.locks = LockBatch()
         self.releases: dict[int, StepRun] = {}  # op index -> the row whose attempt ended
         self.acquires: dict[int, tuple[StepRun, Attempt]] = {}  # op index -> new row
@@ -390,26 +390,25 @@ class _Batch:
                 queued_at=self.now,
                 deadline=self.now + timedelta(seconds=spec["queue_timeout_seconds"]),
             )
-            self.new_rows.append((row, None))
+            self.new_rows.append(row)
         if not self.new_rows:
             return
         try:
             # No savepoint: a conflict rolls the whole transition back anyway.
-            StepRun.objects.bulk_create([row for row, _ in self.new_rows])
+            StepRun.objects.bulk_create(self.new_rows)
         except IntegrityError:
             raise BatchConflict("a next step's row exists already") from None
-        for i, (row, _) in enumerate(self.new_rows):
+        for row in self.new_rows:
             self.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
-            self._acquire(row, i)
+            self._acquire(row)
 
-    def _acquire(self, row: StepRun, i: int) -> None:
+    def _acquire(self, row: StepRun) -> None:
         queue = {Deadline("queue", row.pk, row.attempt).member: deadline_score(row.deadline)}
         if not row.device.reachable:
             self.locks.zadd.update(queue)
             self.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
             return
         attempt = attempt_new(row, fence=0, now=self.now)
-        self.new_rows[i] = (row, attempt)
         index = self.locks.acquire(
             row.device.name,
             holder=step_holder(row),
@@ -459,12 +458,13 @@ class _Batch:
         commit. Holders of another kind (a parked Celery task), rows that moved on, and
         devices with flow control are started the general way after the commit.
         """
-        step_ids = {holder_step_id(grant.holder) for _, grant in self.handed} - {None}
+        handed = [(device, grant, holder_step_id(grant.holder)) for device, grant in self.handed]
+        step_ids = {step_id for _, _, step_id in handed if step_id is not None}
         rows = StepRun.objects.select_related("run", "device").in_bulk(step_ids) if step_ids else {}
         ready: list[tuple[StepRun, Attempt]] = []
-        for device, grant in self.handed:
-            row = rows.get(holder_step_id(grant.holder))
-            if holder_step_id(grant.holder) is None:
+        for device, grant, step_id in handed:
+            row = rows.get(step_id)
+            if step_id is None:
                 self.later.append(partial(device_lock_handoff, device, grant))
             elif (
                 row is None
@@ -473,7 +473,6 @@ class _Batch:
                 or row.device.min_interval_seconds
                 or row.device.max_per_minute
             ):
-                step_id = holder_step_id(grant.holder)
                 self.later.append(partial(step_dispatch, step_run_id=step_id, fence=grant.fence))
             else:
                 ready.append((row, attempt_new(row, fence=grant.fence, now=self.now)))
@@ -481,10 +480,8 @@ class _Batch:
             return
         with redis_connection().pipeline(transaction=False) as pipe:
             for row, attempt in ready:
-                pipe.zadd(
-                    deadlines_key(), {d.member: deadline_score(w) for d, w in attempt.deadlines.items()}
-                )
-                pipe.zrem(deadlines_key(), Deadline("queue", row.pk, row.attempt).member)
+                deadlines_set(attempt.deadlines, pipe=pipe)
+                deadlines_clear([Deadline("queue", row.pk, row.attempt)], pipe=pipe)
                 device_lock_extend(
                     row.device.name,
                     holder=step_holder(row),
@@ -515,8 +512,7 @@ class _Batch:
             self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
         confirmed = commands_confirmed()
         with redis_connection().pipeline(transaction=False) as pipe:
-            if confirmed:
-                pipe.zrem(deadlines_key(), *confirmed)
+            deadlines_clear(confirmed, pipe=pipe)
             self.events.metrics.pipe_add(pipe)
             for hook in self.finally_:
                 hook(pipe)

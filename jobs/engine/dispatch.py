@@ -220,8 +220,8 @@ def command_send(*, step_run: StepRun) -> bool:
 
 
 # Commands handed to the MQTT client whose PUBACK was not seen yet, oldest first, per
-# process: (message info, its `send` deadline member, time.monotonic() when published).
-_unconfirmed: list[tuple[Any, str, float]] = []
+# process: (message info, its `send` deadline, time.monotonic() when published).
+_unconfirmed: list[tuple[Any, Deadline, float]] = []
 
 
 def commands_publish(rows: list[StepRun]) -> list[tuple[StepRun, str]]:
@@ -237,12 +237,12 @@ def commands_publish(rows: list[StepRun]) -> list[tuple[StepRun, str]]:
         if isinstance(outcome, str):
             failed.append((row, outcome))
         else:
-            _unconfirmed.append((outcome, Deadline("send", row.pk, row.attempt).member, now))
+            _unconfirmed.append((outcome, Deadline("send", row.pk, row.attempt), now))
     return failed
 
 
-def commands_confirmed(*, wait: bool = False) -> list[str]:
-    """The `send` members of commands the broker acknowledged since the last call.
+def commands_confirmed(*, wait: bool = False) -> list[Deadline]:
+    """The `send` deadlines of commands the broker acknowledged since the last call.
 
     With `wait`, waits for the others (each up to PUBLISH_TIMEOUT_SECONDS from its
     publish). One left unacknowledged past that makes the client drop its queue, as a
@@ -250,22 +250,22 @@ def commands_confirmed(*, wait: bool = False) -> list[str]:
     attempt moved on; every unconfirmed command is then left to its `send` deadline.
     """
     confirmed, waiting = [], []
-    for info, member, published_at in _unconfirmed:
+    for info, send, published_at in _unconfirmed:
         remaining = published_at + PUBLISH_TIMEOUT_SECONDS - time.monotonic()
         if wait and remaining > 0 and not info.is_published():
             with contextlib.suppress(RuntimeError, ValueError):
                 info.wait_for_publish(timeout=remaining)
         if info.is_published():
-            confirmed.append(member)
+            confirmed.append(send)
         elif time.monotonic() - published_at > PUBLISH_TIMEOUT_SECONDS:
             log.warning(
-                "no PUBACK for %s within %ss; dropping the MQTT client", member, PUBLISH_TIMEOUT_SECONDS
+                "no PUBACK for %s within %ss; dropping the MQTT client", send.member, PUBLISH_TIMEOUT_SECONDS
             )
             publisher.close()
             _unconfirmed.clear()
             return confirmed
         else:
-            waiting.append((info, member, published_at))
+            waiting.append((info, send, published_at))
     _unconfirmed[:] = waiting
     return confirmed
 
@@ -273,9 +273,7 @@ def commands_confirmed(*, wait: bool = False) -> list[str]:
 def commands_settle() -> None:
     """Before a task returns: wait for the broker to acknowledge what it published, and
     clear those commands' `send` deadlines."""
-    confirmed = commands_confirmed(wait=True)
-    if confirmed:
-        deadlines_clear([Deadline.parse(member) for member in confirmed])
+    deadlines_clear(commands_confirmed(wait=True))
 
 
 def command_resend(*, step_run: StepRun, attempt: int) -> None:
