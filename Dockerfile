@@ -1,6 +1,7 @@
 # One image for every iotqueue process: web (gunicorn), Celery worker and beat, the MQTT
-# bridge, migrations and the simulator. docker-compose.yml picks the command per service.
-FROM python:3.11-slim
+# bridge and migrations. docker-compose.yml picks the command per service. The simulated
+# devices (compose profile `sim`) run from the `sim` target: this image plus devtools/.
+FROM python:3.11-slim AS runtime
 
 # No .pyc files (the code is read-only for the app user), logs straight to `docker logs`.
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -18,15 +19,17 @@ RUN pip install -r requirements.txt
 RUN groupadd --system iotqueue \
     && useradd --system --gid iotqueue --home-dir /app --no-create-home --shell /usr/sbin/nologin iotqueue
 
-# Only the project's code: no virtualenv, var/ or .git from the build context.
+# Only the product's code: no virtualenv, var/, .git or devtools/ from the build context.
 COPY manage.py ./
 COPY iotqueue ./iotqueue
 COPY devices ./devices
 COPY jobs ./jobs
 COPY triggers ./triggers
+COPY webhooks ./webhooks
 
-# The admin's static files, served by WhiteNoise from var/static (STATIC_ROOT).
-RUN python manage.py collectstatic --noinput --verbosity 0
+# The admin's static files, served by WhiteNoise from var/static (STATIC_ROOT). Copying files
+# needs no secret: this one command runs in development mode, the image itself does not.
+RUN DEBUG=true python manage.py collectstatic --noinput --verbosity 0
 
 # settings.py creates var/ at import (SQLite file, dev-stack logs); it must be writable.
 RUN mkdir -p /app/var && chown iotqueue:iotqueue /app/var
@@ -35,3 +38,11 @@ USER iotqueue
 
 EXPOSE 8000
 CMD ["gunicorn", "iotqueue.wsgi:application", "--bind", "0.0.0.0:8000"]
+
+# Development tooling on top of the runtime image, for the simulator service only: the
+# simulate and demo commands need nothing beyond the runtime requirements. Never deployed.
+FROM runtime AS sim
+COPY devtools ./devtools
+
+# The default target is the last stage: a plain `docker build .` gives the runtime image.
+FROM runtime

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-pip lint format bench bench-pg clean
+.PHONY: install run test test-fast test-api test-pip lint format bench bench-pg clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,15 +16,25 @@ install: $(STAMP)
 
 ## Start Redis, an MQTT broker, worker, beat, bridge, web and simulated devices; run the demo.
 run: install
-	$(BIN)/python -m iotqueue.devstack
+	$(BIN)/python -m devtools.devstack
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set).
 test: install
 	$(BIN)/python -m pytest
 
+## The unit tier alone (tests/unit/): logic module by module, no server started or reached.
+test-fast: install
+	$(BIN)/python -m pytest -m "not stack" tests/unit
+
+## The API against its own schema, widely: schemathesis with every check and the examples,
+## coverage, fuzzing and stateful phases, on DATABASE_URL's database when set (a few minutes).
+## The seed is printed first; SCHEMATHESIS_SEED=<seed> replays that run.
+test-api: install
+	IOTQUEUE_API_CONTRACT=1 $(BIN)/python -m pytest -s tests/iotqueue/test_api_contract.py
+
 ## End-to-end tests with the pip-installed servers only (what a laptop without them gets).
 test-pip: install
-	IOTQUEUE_EMBEDDED=pip $(BIN)/python -m pytest tests/jobs/test_end_to_end.py tests/iotqueue/test_servers.py
+	IOTQUEUE_EMBEDDED=pip $(BIN)/python -m pytest tests/jobs/test_end_to_end.py tests/devtools/test_servers.py
 
 lint: install
 	$(BIN)/ruff check .

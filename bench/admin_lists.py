@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -23,8 +24,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from iotqueue.processes import BASE_DIR
-from iotqueue.servers import redis_start
+from devtools.processes import BASE_DIR
+from devtools.servers import redis_start
 
 from .stack import stop_signals_install
 
@@ -116,8 +117,11 @@ def database_open(exits: ExitStack, args: argparse.Namespace) -> None:
             "CELERY_BROKER_URL": redis.url,
             "IOTQUEUE_REDIS_KEY_PREFIX": f"adminbench{uuid.uuid4().hex[:8]}",
             # As in production: DEBUG would keep every SQL statement in memory and show
-            # debug pages; the statements are captured per page below instead.
+            # debug pages; the statements are captured per page below instead. Without DEBUG
+            # the settings want a real secret key and hosts: a throwaway one, the test client's.
             "DEBUG": "false",
+            "SECRET_KEY": secrets.token_urlsafe(50),
+            "ALLOWED_HOSTS": "testserver",
         }
     )
     import django

@@ -5,7 +5,7 @@ The design's memory bar: the bridge and each worker process stay flat under sust
 with 10,000 devices, and Redis holds a few hundred bytes per idle device, not kilobytes.
 
 On its own stack (bench.stack) it registers N devices and keeps them all online: a small
-subset is simulated by devices.simulator (real protocol replies), the rest are announced
+subset is simulated by devtools.simulator (real protocol replies), the rest are announced
 (retained status, heartbeats) by a few shared MQTT connections, which the bridge cannot tell
 from devices. It measures Redis before and after the devices came online and after each of
 the simulated ones ran one step, then starts runs at a steady rate for the soak and samples
@@ -32,7 +32,7 @@ from .cpu import cpu_report, cpu_sample
 from .report import RESULTS_DIR, machine_describe
 from .stack import BenchStack, stack_open, stop_signals_install
 
-# The design's bars (DESIGN.md, "Quality bars").
+# The project's quality bars for a long run.
 RSS_GROWTH_MAX = 0.10
 BRIDGE_RSS_MAX_BYTES = 100 * 1000 * 1000
 # "A few hundred bytes, not kilobytes".
@@ -248,7 +248,7 @@ class FleetAnnouncer:
 
 def fleet_online(stack: BenchStack, args: argparse.Namespace, exits: ExitStack) -> tuple[list[str], Any]:
     """Register the devices and bring them all online; returns (simulated names, simulator)."""
-    from devices.simulator import DeviceBehaviour, Simulator
+    from devtools.simulator import DeviceBehaviour, Simulator
 
     simulated, announced = devices_register(args.devices, args.active)
     say(f"fleet: {args.devices} devices, {len(simulated)} simulated, {len(announced)} announced")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import time
@@ -21,8 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from iotqueue.processes import BASE_DIR, Supervisor, beat_argv, manage_argv, worker_argv
-from iotqueue.servers import EmbeddedServer, mqtt_broker_start, redis_start
+from devtools.processes import BASE_DIR, Supervisor, beat_argv, manage_argv, worker_argv
+from devtools.servers import EmbeddedServer, mqtt_broker_start, redis_start
 
 SCRATCH_ROOT = BASE_DIR / "var" / "bench"
 # The machine has 2 cores: one prefork child per core, for the engine and the baseline alike.
@@ -180,11 +181,15 @@ def stack_open(exits: ExitStack, *, database_url: str | None = None) -> BenchSta
             "REDIS_URL": redis.url,
             "CELERY_BROKER_URL": redis.url,
             "MQTT_URL": broker.url,
+            "IOTQUEUE_MQTT_AUTH": broker.auth,
             "IOTQUEUE_TOPIC_PREFIX": namespace,
             "IOTQUEUE_REDIS_KEY_PREFIX": namespace,
             "CELERY_TASK_DEFAULT_QUEUE": namespace,
             # As in production: DEBUG would make every process keep a log of its SQL queries.
+            # Without DEBUG the settings want a real secret key and hosts: a throwaway one.
             "DEBUG": "false",
+            "SECRET_KEY": secrets.token_urlsafe(50),
+            "ALLOWED_HOSTS": "127.0.0.1,localhost",
         }
     )
     import django

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from devices.simulator import DeviceBehaviour, SimulatedDevice, Simulator
+from devtools.simulator import DeviceBehaviour, SimulatedDevice, Simulator
 
 # Devices answer at once: the benchmark measures the system's overhead, not device time.
 # Progress messages are off (each one is a task); the protocol's ack cannot be turned off.

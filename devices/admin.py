@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import logging
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.db.models import Count
+from django.http import HttpResponseRedirect
 from django.utils.html import format_html
 from redis import RedisError
 
+from iotqueue.dynsec import DynsecError
+from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
+
+from .credentials import CredentialsUnavailable, device_password_issue
 from .locks import LockState, device_lock_state, device_lock_states
 from .models import Device, DeviceGroup
+from .topic_claims import device_topic_collisions
 
 log = logging.getLogger(__name__)
 
 # How many waiters the device page names; the rest are counted.
 QUEUE_NAMED = 10
+# Passwords issued by one admin action: each is shown in a message, so a page full at most.
+CREDENTIALS_AT_ONCE = 10
 
 
 @admin.register(DeviceGroup)
@@ -31,8 +42,40 @@ class DeviceGroupAdmin(admin.ModelAdmin):
         return group.device_count
 
 
+class DeviceForm(forms.ModelForm):
+    class Meta:
+        model = Device
+        fields = [
+            "name",
+            "description",
+            "labels",
+            "groups",
+            "command_topic",
+            "reply_topic",
+            "config",
+            "min_interval_seconds",
+            "max_per_minute",
+            "enabled",
+            "presence_required",
+        ]
+
+    def clean(self) -> dict:
+        data = super().clean()
+        errors = device_topic_collisions(
+            pk=self.instance.pk,
+            name=data.get("name") or "",
+            command_topic=data.get("command_topic") or "",
+            reply_topic=data.get("reply_topic") or "",
+        )
+        if errors:
+            raise ValidationError(errors)
+        return data
+
+
 @admin.register(Device)
 class DeviceAdmin(admin.ModelAdmin):
+    formfield_overrides = JSON_FORMFIELD_OVERRIDES
+    form = DeviceForm
     list_display = [
         "name",
         "enabled",
@@ -48,6 +91,51 @@ class DeviceAdmin(admin.ModelAdmin):
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
     readonly_fields = ["online", "last_seen", "lock", "created_at", "updated_at"]
+    actions = ["credentials_issue"]
+
+    # Saving or deleting a device also writes its broker identity (devices/credentials.py)
+    # inside the admin's transaction: a broker that cannot take it undoes the change.
+    def changeform_view(self, request, *args, **kwargs):
+        try:
+            return super().changeform_view(request, *args, **kwargs)
+        except DynsecError as exc:
+            return self._broker_refused(request, exc)
+
+    def delete_view(self, request, *args, **kwargs):
+        try:
+            return super().delete_view(request, *args, **kwargs)
+        except DynsecError as exc:
+            return self._broker_refused(request, exc)
+
+    def changelist_view(self, request, *args, **kwargs):
+        if request.method != "POST":  # only an action (e.g. "delete selected") writes
+            return super().changelist_view(request, *args, **kwargs)
+        try:  # the list's "delete selected": all or nothing, like a single delete
+            with transaction.atomic():
+                return super().changelist_view(request, *args, **kwargs)
+        except DynsecError as exc:
+            return self._broker_refused(request, exc)
+
+    def _broker_refused(self, request, exc: DynsecError):
+        self.message_user(
+            request, f"The MQTT broker could not be updated, nothing changed: {exc}", messages.ERROR
+        )
+        return HttpResponseRedirect(request.get_full_path())
+
+    @admin.action(description="Issue a new MQTT password (shown once)", permissions=["change"])
+    def credentials_issue(self, request, queryset):
+        for device in queryset[:CREDENTIALS_AT_ONCE]:
+            try:
+                password = device_password_issue(device)
+            except (CredentialsUnavailable, DynsecError) as exc:
+                self.message_user(request, f"{device.name}: {exc}", messages.ERROR)
+                continue
+            self.message_user(
+                request,
+                f"{device.name}: MQTT username {device.name!r}, password {password!r}. "
+                "Copy it now; it is not shown again. The previous password no longer works.",
+                messages.WARNING,
+            )
 
     def get_changelist_instance(self, request):
         """The page's lock states in one Redis round trip, kept on its rows for the columns."""

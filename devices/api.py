@@ -1,54 +1,215 @@
 """REST endpoints for devices and groups, and a device's live lock state."""
 
-import re
 from dataclasses import asdict
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
-from rest_framework import viewsets
+from django.db import transaction
+from django.db.models.fields.json import KeyTransform
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+)
+from rest_framework import status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 
+from iotqueue.dynsec import DynsecError
+from iotqueue.mqtt import broker_address
+from iotqueue.names import URL_NAME_LOOKUP_REGEX
+
+from .credentials import CredentialsUnavailable, device_password_issue
+from .labels import device_labels_update
 from .locks import device_lock_state
 from .models import Device, DeviceGroup
-from .serializers import DeviceGroupSerializer, DeviceSerializer, LockStateSerializer
+from .selectors import selector_filter, selector_parse
+from .serializers import (
+    CredentialsSerializer,
+    DeviceGroupSerializer,
+    DeviceLabelsResultSerializer,
+    DeviceLabelsUpdateSerializer,
+    DeviceSerializer,
+    LockStateSerializer,
+)
 
-LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_.-]+")
+# `?label=KEY=VALUE`: any key (compared as one key, never as a lookup path), any value.
+LABEL_PARAMETER_PATTERN = r"^[^=]+=.*$"
+BOOLEAN_PARAMETER = {"true": True, "1": True, "false": False, "0": False}
 
 
 class DeviceGroupViewSet(viewsets.ModelViewSet):
     queryset = DeviceGroup.objects.all()
     serializer_class = DeviceGroupSerializer
     lookup_field = "name"
+    lookup_value_regex = URL_NAME_LOOKUP_REGEX
+
+
+DEVICE_EXAMPLE = {
+    "name": "pump-7",
+    "description": "Pump in hall 2",
+    "labels": {"site": "berlin", "kind": "pump"},
+    "groups": ["pumps"],
+    "presence_required": True,
+    "max_per_minute": 30,
+}
+
+
+class BrokerUnavailable(APIException):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_code = "broker_unavailable"
 
 
 @extend_schema_view(
     list=extend_schema(
         parameters=[
-            OpenApiParameter("label", str, many=True, description="KEY=VALUE; repeat to require several."),
+            OpenApiParameter(
+                "label",
+                str,
+                many=True,
+                pattern=LABEL_PARAMETER_PATTERN,
+                description="KEY=VALUE; repeat to require several.",
+            ),
+            OpenApiParameter(
+                "selector",
+                str,
+                description="A label selector: KEY=VALUE, KEY!=VALUE, KEY in (A,B), KEY notin (A,B), "
+                "KEY, !KEY, comma-separated (all must hold), e.g. site in (berlin,paris),!legacy.",
+            ),
             OpenApiParameter("online", bool, description="Only devices online (true) or offline (false)."),
         ]
-    )
+    ),
+    create=extend_schema(
+        examples=[OpenApiExample("Create a device", value=DEVICE_EXAMPLE, request_only=True)]
+    ),
 )
 class DeviceViewSet(viewsets.ModelViewSet):
-    """Devices by name; `GET /api/devices/<name>/lock/` shows holder, fence and wait queue."""
+    """Devices by name; `GET /api/devices/<name>/lock/` shows holder, fence and wait queue.
+
+    Writing a device also writes its broker identity (devices/credentials.py) in the same
+    transaction: when the broker cannot take it, the answer is 503 and nothing changed.
+    `POST /api/devices/<name>/credentials/` issues a new MQTT password (*change device*).
+    """
 
     queryset = Device.objects.prefetch_related("groups")
+    # For the schema (iotqueue/openapi.py): what handle_exception below makes of a DynsecError.
+    write_error_responses = {"503": "The MQTT broker could not take the change; nothing changed."}
     serializer_class = DeviceSerializer
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9._:-]*"
 
     def get_queryset(self):
         queryset = super().get_queryset()
-        for label in self.request.query_params.getlist("label"):
-            key, _, value = label.partition("=")
-            if not LABEL_KEY_RE.fullmatch(key) or "__" in key:
-                raise ValidationError({"label": [f"use label=KEY=VALUE with a plain key, not {label!r}"]})
-            # Portable across SQLite and PostgreSQL: JSON key lookup, not containment.
-            queryset = queryset.filter(**{f"labels__{key}": value})
+        for n, label in enumerate(self.request.query_params.getlist("label")):
+            key, equals, value = label.partition("=")
+            if not key or not equals:
+                raise ValidationError({"label": [f"use label=KEY=VALUE with a key, not {label!r}"]})
+            # The key as one JSON key (KeyTransform, not the `labels__KEY` lookup), so `a__b` or
+            # `contains` is a key like any other, not a lookup; portable across SQLite and PostgreSQL.
+            queryset = queryset.alias(**{f"label_{n}": KeyTransform(key, "labels")})
+            queryset = queryset.filter(**{f"label_{n}": value})
+        if "selector" in self.request.query_params:
+            try:
+                requirements = selector_parse(self.request.query_params["selector"])
+            except ValueError as exc:
+                raise ValidationError({"selector": [f"not a label selector: {exc}"]}) from None
+            queryset = selector_filter(queryset, requirements)
         if "online" in self.request.query_params:
-            queryset = queryset.filter(online=self.request.query_params["online"].lower() in ("1", "true"))
+            given = self.request.query_params["online"]
+            if given.lower() not in BOOLEAN_PARAMETER:
+                raise ValidationError({"online": [f"use true or false, not {given!r}"]})
+            queryset = queryset.filter(online=BOOLEAN_PARAMETER[given.lower()])
+        if self.action == "credentials" and not self.request.user.has_perm("devices.view_device"):
+            # No existence oracle: to a user who may not see devices, every device is unknown.
+            queryset = queryset.none()
         return queryset
+
+    def dispatch(self, request, *args, **kwargs):
+        if request.method in ("GET", "HEAD", "OPTIONS"):
+            return super().dispatch(request, *args, **kwargs)
+        with transaction.atomic():
+            response = super().dispatch(request, *args, **kwargs)
+            if response.status_code >= 400:
+                # An error answer changes nothing. DRF's exception handler rolls back only
+                # under ATOMIC_REQUESTS, which this project does not set.
+                transaction.set_rollback(True)
+            return response
+
+    def handle_exception(self, exc):
+        if isinstance(exc, DynsecError):  # dispatch() then rolls the transaction back
+            exc = BrokerUnavailable(f"the MQTT broker could not be updated, nothing changed: {exc}")
+        return super().handle_exception(exc)
+
+    @extend_schema(
+        request=None,
+        responses={
+            201: CredentialsSerializer,
+            409: OpenApiResponse(description="This broker's device identities are not managed by iotqueue."),
+        },
+    )
+    @action(detail=True, methods=["post"], permission_classes=[IsAuthenticated])
+    def credentials(self, request, name=None):
+        """A new MQTT password for the device, shown this once; the previous one stops working."""
+        device = self.get_object()
+        if not (
+            request.user.has_perm("devices.view_device") and request.user.has_perm("devices.change_device")
+        ):
+            self.permission_denied(request, message="You may not issue device credentials.")
+        try:
+            password = device_password_issue(device)
+        except CredentialsUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        address = broker_address()
+        return Response(
+            CredentialsSerializer(
+                {"username": device.name, "password": password, "host": address.host, "tls": address.tls}
+            ).data,
+            status=status.HTTP_201_CREATED,
+        )
+
+    @extend_schema(
+        request=DeviceLabelsUpdateSerializer,
+        responses={200: DeviceLabelsResultSerializer},
+        examples=[
+            OpenApiExample(
+                "Move Paris pumps to a new tier",
+                value={"selector": "site=paris,kind=pump", "set": {"tier": "beta"}, "remove": ["legacy"]},
+                request_only=True,
+            )
+        ],
+    )
+    @action(detail=False, methods=["post"], url_path="labels", permission_classes=[IsAuthenticated])
+    def labels(self, request):
+        """Set and remove labels on many devices in one transaction (*view* and *change device*).
+
+        Address them by `selector` or by `devices` (names; an unknown name refuses the whole
+        edit). Label changes never touch the broker: labels are not part of a device's ACLs.
+        """
+        if not (
+            request.user.has_perm("devices.view_device") and request.user.has_perm("devices.change_device")
+        ):
+            self.permission_denied(request, message="You may not change devices.")
+        serializer = DeviceLabelsUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        if "selector" in data:
+            devices = selector_filter(Device.objects.all(), selector_parse(data["selector"]))
+        else:
+            devices = Device.objects.filter(name__in=data["devices"])
+            unknown = sorted(set(data["devices"]) - set(devices.values_list("name", flat=True)))
+            if unknown:
+                raise ValidationError({"devices": [f"unknown devices: {', '.join(unknown)}"]})
+        matched = devices.count()
+        changed = device_labels_update(
+            devices=devices, set_labels=data.get("set", {}), remove=data.get("remove", [])
+        )
+        return Response(
+            DeviceLabelsResultSerializer(
+                {"matched": matched, "changed": len(changed), "devices": changed}
+            ).data
+        )
 
     @extend_schema(responses=LockStateSerializer)
     @action(detail=True, methods=["get"])

@@ -7,20 +7,19 @@ class DevicesConfig(AppConfig):
 
     def ready(self) -> None:
         from iotqueue.bridge import handler_register
-        from iotqueue.metrics import DEVICE_QUEUE_DEPTH, gauge_register
+        from iotqueue.metrics import gauge_register
 
-        from . import presence, protocol, task_lock
+        from . import credentials, metrics, presence, protocol, task_lock
         from .locks import grant_handler_register
 
-        for kind in protocol.PRESENCE_KINDS:
-            handler_register(protocol.device_topic("+", kind), presence.presence_message_handle)
+        # Device rows keep their broker identities in step (devices/credentials.py).
+        credentials.signals_connect()
+
+        # Every bridge replica sees every status: it is retained, and brokers do not send
+        # retained messages to shared subscriptions.
+        handler_register(protocol.device_topic("+", "status"), presence.presence_message_handle, shared=False)
+        handler_register(protocol.device_topic("+", "heartbeat"), presence.presence_message_handle)
         # A lock released to a parked locked task sends that task again (devices/task_lock.py).
         grant_handler_register(task_lock.HOLDER_KIND, task_lock.task_handoff)
-        # /metrics lists the wait queue of every device that has one (devices/locks.py).
-        gauge_register(DEVICE_QUEUE_DEPTH, _queue_depths)
-
-
-def _queue_depths() -> dict[tuple[str], int]:
-    from .locks import device_queue_depths
-
-    return {(device,): depth for device, depth in device_queue_depths().items()}
+        # /metrics lists the wait queue of every device that has one (devices/metrics.py).
+        gauge_register(metrics.DEVICE_QUEUE_DEPTH, metrics.queue_depths_read)

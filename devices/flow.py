@@ -31,14 +31,25 @@ def device_flow_wait(device: Device, *, now: float | None = None) -> float:
     """Seconds to wait before the device may get its next command (0 = now)."""
     if not _limited(device):
         return 0.0
-    now = time.time() if now is None else now
     keep = max(1, device.max_per_minute)
     sent = [float(t) for t in redis_connection().lrange(_key(device), 0, keep - 1)]
+    return flow_wait(
+        sent,
+        min_interval_seconds=device.min_interval_seconds,
+        max_per_minute=device.max_per_minute,
+        now=time.time() if now is None else now,
+    )
+
+
+def flow_wait(sent: list[float], *, min_interval_seconds: float, max_per_minute: int, now: float) -> float:
+    """Seconds until the next command may go, from the send times `sent` (newest first):
+    `min_interval_seconds` after the newest, and while `max_per_minute` were sent within
+    WINDOW_SECONDS, until the oldest of them leaves the window. 0 = now; 0 limits = none."""
     wait = 0.0
-    if sent and device.min_interval_seconds:
-        wait = max(wait, sent[0] + device.min_interval_seconds - now)
-    if device.max_per_minute and len(sent) >= device.max_per_minute:
-        wait = max(wait, sent[device.max_per_minute - 1] + WINDOW_SECONDS - now)
+    if sent and min_interval_seconds:
+        wait = max(wait, sent[0] + min_interval_seconds - now)
+    if max_per_minute and len(sent) >= max_per_minute:
+        wait = max(wait, sent[max_per_minute - 1] + WINDOW_SECONDS - now)
     return max(0.0, wait)
 
 

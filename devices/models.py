@@ -3,6 +3,8 @@
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from iotqueue.names import url_name_validator
+
 from . import protocol
 
 
@@ -20,6 +22,11 @@ def labels_validate(value) -> None:
         raise ValidationError('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.')
 
 
+def config_validate(value) -> None:
+    if not isinstance(value, dict):
+        raise ValidationError('Config must be a JSON object, e.g. {"mode": "eco"}.')
+
+
 def topic_validate(value: str) -> None:
     if value and ("+" in value or "#" in value or value.startswith("/")):
         raise ValidationError("A topic may not contain wildcards (+ #) or start with '/'.")
@@ -28,7 +35,7 @@ def topic_validate(value: str) -> None:
 class DeviceGroup(models.Model):
     """A named set of devices that steps can target as a whole (fan-out comes later)."""
 
-    name = models.CharField(max_length=128, unique=True)
+    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
     description = models.TextField(blank=True)
 
     class Meta:
@@ -63,7 +70,12 @@ class Device(models.Model):
         validators=[topic_validate],
         help_text="Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done.",
     )
-    config = models.JSONField(default=dict, blank=True, help_text="Free-form settings for jobs and firmware.")
+    config = models.JSONField(
+        default=dict,
+        blank=True,
+        validators=[config_validate],
+        help_text="Free-form settings for jobs and firmware: a JSON object.",
+    )
     min_interval_seconds = models.FloatField(
         default=0, help_text="Flow control: at least this long between two commands (slow firmware)."
     )

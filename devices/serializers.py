@@ -1,8 +1,15 @@
 """REST representations of devices and groups."""
 
+from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from .models import Device, DeviceGroup
+from iotqueue.api import BoundedModelSerializer
+from iotqueue.mqtt import broker_address
+
+from .models import Device, DeviceGroup, labels_validate
+from .selectors import SELECTOR_MAX_LENGTH, selector_parse
+from .topic_claims import device_topic_collisions
 
 
 class DeviceGroupSerializer(serializers.ModelSerializer):
@@ -11,7 +18,7 @@ class DeviceGroupSerializer(serializers.ModelSerializer):
         fields = ["name", "description"]
 
 
-class DeviceSerializer(serializers.ModelSerializer):
+class DeviceSerializer(BoundedModelSerializer):
     groups = serializers.SlugRelatedField(
         slug_field="name", many=True, queryset=DeviceGroup.objects.all(), required=False
     )
@@ -35,6 +42,34 @@ class DeviceSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = ["online", "last_seen"]
 
+    def validate_name(self, value: str) -> str:
+        if settings.IOTQUEUE_MQTT_AUTH == "dynsec" and value == broker_address().username:
+            raise serializers.ValidationError("iotqueue's own services use this MQTT user name.")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        def current(field: str) -> str:
+            return attrs[field] if field in attrs else getattr(self.instance, field, "")
+
+        errors = device_topic_collisions(
+            pk=getattr(self.instance, "pk", None),
+            name=current("name"),
+            command_topic=current("command_topic"),
+            reply_topic=current("reply_topic"),
+        )
+        if errors:
+            raise serializers.ValidationError({field: [message] for field, message in errors.items()})
+        return attrs
+
+
+class CredentialsSerializer(serializers.Serializer):
+    username = serializers.CharField(help_text="The device's MQTT username: its name.")
+    password = serializers.CharField(help_text="Shown once; only the broker keeps (a hash of) it.")
+    host = serializers.CharField(
+        help_text="The broker as iotqueue reaches it; devices may use another address."
+    )
+    tls = serializers.BooleanField()
+
 
 class LockStateSerializer(serializers.Serializer):
     device = serializers.CharField()
@@ -43,3 +78,63 @@ class LockStateSerializer(serializers.Serializer):
     since_ms = serializers.IntegerField(allow_null=True)
     lease_until_ms = serializers.IntegerField(allow_null=True)
     queue = serializers.ListField(child=serializers.CharField())
+
+
+# Names one bulk label edit may list: a fleet's worth, not an unbounded request body.
+LABELS_UPDATE_MAX_DEVICES = 10_000
+
+
+class DeviceLabelsUpdateSerializer(serializers.Serializer):
+    """`POST /api/devices/labels/`: which devices (a selector or names), what to set and remove."""
+
+    selector = serializers.CharField(
+        required=False,
+        max_length=SELECTOR_MAX_LENGTH,
+        help_text="The devices a label selector matches, e.g. site in (berlin,paris),!legacy.",
+    )
+    devices = serializers.ListField(
+        child=serializers.CharField(max_length=128),
+        required=False,
+        allow_empty=False,
+        max_length=LABELS_UPDATE_MAX_DEVICES,
+        help_text="Or these devices, by name.",
+    )
+    set = serializers.DictField(
+        child=serializers.CharField(allow_blank=True), required=False, help_text="Labels to set (KEY: VALUE)."
+    )
+    remove = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="Label keys to remove."
+    )
+
+    def validate_selector(self, value: str) -> str:
+        try:
+            requirements = selector_parse(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(f"Not a label selector: {exc}.") from None
+        if not requirements:
+            # A blank selector matches every device: the whole fleet relabelled by accident.
+            raise serializers.ValidationError("An empty selector is refused; name at least one requirement.")
+        return value
+
+    def validate_set(self, value: dict) -> dict:
+        try:
+            labels_validate(self.initial_data.get("set"))  # the values as sent, before coercion
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.messages) from None
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        if ("selector" in attrs) == ("devices" in attrs):
+            raise serializers.ValidationError({"selector": ['Give either "selector" or "devices".']})
+        if not attrs.get("set") and not attrs.get("remove"):
+            raise serializers.ValidationError({"set": ['Give labels to "set" and/or keys to "remove".']})
+        both = sorted(set(attrs.get("set", {})) & set(attrs.get("remove", [])))
+        if both:
+            raise serializers.ValidationError({"remove": [f"Both set and removed: {', '.join(both)}."]})
+        return attrs
+
+
+class DeviceLabelsResultSerializer(serializers.Serializer):
+    matched = serializers.IntegerField(help_text="Devices the selector or names addressed.")
+    changed = serializers.IntegerField(help_text="Devices whose labels changed.")
+    devices = serializers.ListField(child=serializers.CharField(), help_text="The changed devices' names.")

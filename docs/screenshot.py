@@ -100,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def services_start(workdir: Path) -> list:
     """Redis, an MQTT broker and a new database, all in `workdir`; Django set up on them."""
-    from iotqueue.servers import mqtt_broker_start, redis_start
+    from devtools.servers import mqtt_broker_start, redis_start
 
     servers = [redis_start(workdir), mqtt_broker_start(workdir)]
     os.environ.update(
         DJANGO_SETTINGS_MODULE="iotqueue.settings",
+        # The dev stack's development mode: its SECRET_KEY, hosts and static files.
+        DEBUG="true",
         DATABASE_URL=f"sqlite:///{workdir / 'db.sqlite3'}",
         REDIS_URL=servers[0].url,
         MQTT_URL=servers[1].url,
@@ -121,9 +123,9 @@ def services_start(workdir: Path) -> list:
 @contextmanager
 def stack_with_finished_run(workdir: Path) -> Iterator[str]:
     """Run the scenario on a real stack; yield the finished run's admin URL while it serves."""
-    from devices.simulator import DeviceBehaviour, Simulator
-    from iotqueue.processes import Supervisor, beat_argv, manage_argv, worker_argv
-    from iotqueue.servers import free_port
+    from devtools.processes import Supervisor, beat_argv, manage_argv, worker_argv
+    from devtools.servers import free_port
+    from devtools.simulator import DeviceBehaviour, Simulator
 
     template = scenario_seed()
     port = free_port()

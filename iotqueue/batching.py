@@ -8,10 +8,15 @@ new one, or when the oldest has waited `max_wait_seconds`: at low load a group i
 item and waits only `idle_seconds`; under load groups grow by themselves, and a steady
 stream still leaves every `max_wait_seconds`.
 
-How it fails: `flush` runs on the batcher's thread; an exception there is logged and that
-group is lost (as a handler that raises loses its message). Items still waiting when the
-process exits are lost unless `batchers_flush()` runs first (the bridge calls it when it
-stops).
+Each item may bring a `settled` callback, called once its group was flushed: the bridge
+acknowledges a device's MQTT message only then.
+
+How it fails: `flush` runs on the batcher's thread; an exception there is logged and the
+same group is flushed again, after a pause that grows to RETRY_MAX_SECONDS, until it goes
+through (items added meanwhile wait behind it). Its items are not settled meanwhile, so
+the bridge's broker keeps their messages; if the process dies first, they are delivered
+again to its next session. `batchers_flush()` flushes what waits when the process stops
+(once: what still fails then is left to that redelivery).
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Pauses between attempts to flush a group that failed: short first (a blip), then at
+# most this long (an outage), so a recovered server is used within seconds.
+RETRY_FIRST_SECONDS = 0.1
+RETRY_MAX_SECONDS = 2.0
+
+Settled = Callable[[], None]
 
 _batchers: list[Batcher] = []
 
@@ -47,15 +59,17 @@ class Batcher:
         self.max_wait_seconds = max_wait_seconds
         self._first_add = 0.0
         self.name = name
-        self._items: list[Any] = []
+        self._items: list[tuple[Any, Settled | None]] = []
+        self._stopping = threading.Event()
         self._last_add = 0.0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         _batchers.append(self)
 
-    def add(self, item: Any) -> None:
+    def add(self, item: Any, settled: Settled | None = None) -> None:
+        """Queue `item`; `settled()` is called (on the batcher's thread) once it was flushed."""
         with self._cond:
-            self._items.append(item)
+            self._items.append((item, settled))
             self._last_add = time.monotonic()
             if len(self._items) == 1:
                 self._first_add = self._last_add
@@ -77,22 +91,31 @@ class Batcher:
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
-                items, self._items = self._items[: self.max_items], self._items[self.max_items :]
+                group, self._items = self._items[: self.max_items], self._items[self.max_items :]
                 self._first_add = self._last_add
-            self._flush(items)
+            pause = RETRY_FIRST_SECONDS
+            while not self._flush(group) and not self._stopping.wait(pause):
+                pause = min(pause * 2, RETRY_MAX_SECONDS)
 
-    def _flush(self, items: list[Any]) -> None:
+    def _flush(self, group: list[tuple[Any, Settled | None]]) -> bool:
+        """Flush one group and settle its items; False (logged) when the flush raised."""
         try:
-            self.flush(items)
+            self.flush([item for item, _ in group])
         except Exception:
-            log.exception("batcher %s: flushing %d items failed; they are lost", self.name, len(items))
+            log.exception("batcher %s: flushing %d items failed; trying again", self.name, len(group))
+            return False
+        for _, settled in group:
+            if settled is not None:
+                settled()
+        return True
 
     def drain(self) -> None:
-        """Flush whatever waits now, on the caller's thread."""
+        """Flush whatever waits now, once, on the caller's thread; stop retrying."""
+        self._stopping.set()
         with self._cond:
-            items, self._items = self._items, []
-        for start in range(0, len(items), self.max_items):
-            self._flush(items[start : start + self.max_items])
+            group, self._items = self._items, []
+        for start in range(0, len(group), self.max_items):
+            self._flush(group[start : start + self.max_items])
 
 
 def batchers_flush() -> None:

@@ -5,11 +5,21 @@ prefix, `dynamic_topics_register` for per-device legacy topics that change at ru
 this module knows neither devices nor jobs. A handler gets (topic, payload) and must be
 quick: validate, correlate, hand off to Celery. A handler that raises is logged and
 counted; the bridge keeps running.
+
+No message is lost while no bridge runs or when one dies: each replica has a persistent
+session under a stable client id (MQTT_BRIDGE_CLIENT_ID, by default one per host), so the
+broker keeps QoS 1 messages for it while it is away, and a message is acknowledged only
+once it was handled — for a handler that hands it on later (a reply joining a batch,
+`ack_defer`), once that hand-off succeeded. What was not acknowledged is delivered again
+to the replica's next session. Device status (retained) is subscribed outside the shared
+group (`shared=False`), since brokers do not deliver retained messages to shared
+subscriptions and every replica needs to know who is online.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +29,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from .batching import batchers_flush
-from .metrics import BRIDGE_MESSAGES, counter_buffer
+from .metrics import COUNTER, Family, counter_buffer, family_declare
 from .mqtt import client_connect, client_create
 
 log = logging.getLogger(__name__)
@@ -31,14 +41,55 @@ TopicProvider = Callable[[], dict[str, Handler]]
 # a new device works within this many seconds, without a restart.
 DYNAMIC_REFRESH_SECONDS = 2.0
 
+# What became of each message the bridge received. The bridge counts what it decides
+# itself; apps add the outcomes their handlers decide (`family_values_add`).
+BRIDGE_MESSAGES = family_declare(
+    Family(
+        "iotqueue_bridge_messages",
+        "Messages the bridge received, by what became of them. 'accepted' replies were valid and handed "
+        "to the engine, which may still find them stale, unknown or from a foreign device.",
+        COUNTER,
+        ("kind",),
+        ("unrouted", "handler_error"),
+    )
+)
+
 _handlers: list[tuple[str, Handler]] = []
+_unshared: set[str] = set()
 _providers: list[TopicProvider] = []
+# The acknowledgement of the message being handled on this thread (see ack_defer).
+_current = threading.local()
 
 
-def handler_register(topic_filter: str, handler: Handler) -> None:
-    """Route messages matching `topic_filter` (MQTT wildcards allowed) to `handler`."""
+def handler_register(topic_filter: str, handler: Handler, *, shared: bool = True) -> None:
+    """Route messages matching `topic_filter` (MQTT wildcards allowed) to `handler`.
+
+    `shared=False`: every bridge replica subscribes to it itself, outside MQTT_SHARED_GROUP
+    (for retained messages, which brokers do not send to shared subscriptions).
+    """
     if (topic_filter, handler) not in _handlers:
         _handlers.append((topic_filter, handler))
+    if not shared:
+        _unshared.add(topic_filter)
+
+
+def ack_defer() -> Callable[[], None]:
+    """For a handler that hands its message on later: the message's acknowledgement.
+
+    Call the returned function once the hand-off succeeded; until then the broker keeps the
+    message for this bridge (and delivers it again to its next session). Outside a handler
+    it does nothing.
+    """
+    ack = getattr(_current, "ack", None)
+    if ack is None:
+        return lambda: None
+    _current.deferred = True
+    return ack
+
+
+def bridge_client_id() -> str:
+    """This replica's stable client id: MQTT_BRIDGE_CLIENT_ID, or <prefix>-bridge-<host>."""
+    return settings.MQTT_BRIDGE_CLIENT_ID or f"{settings.MQTT_CLIENT_ID_PREFIX}-bridge-{socket.gethostname()}"
 
 
 def dynamic_topics_register(provider: TopicProvider) -> None:
@@ -55,7 +106,10 @@ class Bridge:
     """Subscribes to every registered topic and dispatches each message to its handler."""
 
     def __init__(self) -> None:
-        self.client = client_create("bridge")
+        # A persistent session: the broker keeps this replica's subscriptions and messages
+        # while it is away; acknowledged by hand, after each message's hand-off.
+        self.client = client_create("bridge", client_id=bridge_client_id(), clean_session=False)
+        self.client.manual_ack_set(True)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
@@ -69,7 +123,7 @@ class Bridge:
 
     def _subscription(self, topic: str) -> str:
         group = settings.MQTT_SHARED_GROUP
-        return f"$share/{group}/{topic}" if group else topic
+        return f"$share/{group}/{topic}" if group and topic not in _unshared else topic
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -89,19 +143,32 @@ class Bridge:
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         topic = message.topic
+
+        def ack() -> None:
+            client.ack(message.mid, message.qos)
+
         handler = self._handler_for(topic)
         if handler is None:
             self.stats["unrouted"] += 1
             counter_buffer.add(BRIDGE_MESSAGES, "unrouted")
+            ack()
             return
         close_old_connections()
+        _current.ack, _current.deferred = ack, False
         try:
             handler(topic, message.payload)
             self.stats["handled"] += 1
         except Exception:
+            # A handler that raises has recorded nothing it could redo (presence and
+            # trigger messages come again by their nature); acknowledged, or the broker
+            # would stop sending once the unacknowledged ones fill its in-flight window.
             self.stats["handler_errors"] += 1
             counter_buffer.add(BRIDGE_MESSAGES, "handler_error")
             log.exception("bridge: handler for %s failed; message dropped", topic)
+        finally:
+            deferred, _current.ack = _current.deferred, None
+        if not deferred:
+            ack()
 
     def _handler_for(self, topic: str) -> Handler | None:
         with self._lock:
@@ -141,9 +208,11 @@ class Bridge:
                 self._refresh_safely()
                 counter_buffer.flush()  # message counts of a quiet spell reach /metrics too
         finally:
+            # Replies grouped but not handed off yet: hand them off and acknowledge them
+            # while still connected (what fails now is delivered again next time).
+            batchers_flush()
             self.client.disconnect()
             self.client.loop_stop()
-            batchers_flush()  # replies grouped but not yet handed off
             close_old_connections()
             counter_buffer.flush()
 

@@ -3,15 +3,17 @@
 Runs and steps move on in Celery pool processes, replies arrive in bridges, the monitor
 ticks in beat, on any number of hosts. So the numbers live in Redis, not in a process: a
 counter is a hash field bumped with HINCRBY, a histogram is a hash of per-bucket counts
-plus a running sum. Recording costs one pipelined round trip and never raises: a count lost
-while Redis is down is better than a step that fails because of its metric. At scrape time
-`RedisCollector` reads every family in one round trip and hands prometheus_client the
-usual families; gauges about the present (a device's wait queue) come from readers the
-apps register (`gauge_register`), so this module knows neither devices nor jobs.
+plus a running sum. Recording costs one pipelined round trip and never raises on a Redis
+failure: a count lost while Redis is down is better than a step that fails because of its
+metric. At scrape time `RedisCollector` reads every family in one round trip and hands
+prometheus_client the usual families; gauges about the present (a device's wait queue)
+come from readers the apps register (`gauge_register`).
 
-The catalogue below is the list of what is exported (docs/operations.md, "Metrics and
-logs"): names, help, labels and buckets live here; what counts as what is decided where
-it happens (jobs/events.py, jobs/replies.py, jobs/monitor.py, iotqueue/bridge.py).
+This module is the mechanism and the registry; it knows neither devices nor jobs. Each
+family is declared by the app that counts it, when the app loads (`family_declare` in
+iotqueue/bridge.py, devices/metrics.py, jobs/metrics.py); /metrics exports what was
+declared (docs/operations.md, "Metrics and logs"). Counting a family, or a label value,
+that was never declared raises `UndeclaredMetric` at the caller: a bug, not an outage.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ INF = "+Inf"
 class Family:
     """One metric family: Prometheus name (a counter's without `_total`), help, labels.
 
-    `values` lists the label values (of a one-label family) reported as 0 before they
-    first happen, so a dashboard shows them and rate() counts their first increment.
+    `values` is the vocabulary of a one-label family: reported as 0 before each first
+    happens (so a dashboard shows it and rate() counts its first increment), and the only
+    values counting accepts; another app may add its own (`family_values_add`). A family
+    with a label and no `values` takes any value (a gauge's device names).
     """
 
     name: str
@@ -62,106 +66,105 @@ class Family:
     def key(self) -> str:
         return redis_key("metrics", self.name)
 
-    def labelsets(self) -> list[tuple[str, ...]]:
-        """The label value tuples always reported (zero until counted)."""
-        if not self.labels:
-            return [()]
-        return [(value,) for value in self.values]
+
+# --- the registry ---------------------------------------------------------------------
 
 
-# --- the catalogue --------------------------------------------------------------------
-# Step durations range from a lamp switching (tens of ms) to a database instance being
-# created (scenario 3: up to 1800 s), so the buckets span both.
-STEP_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-# A free device is dispatched within milliseconds; a busy one may keep a step waiting up
-# to its queue timeout (default 600 s, longer for slow provisioning steps).
-LOCK_WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600, 1800)
+class UndeclaredMetric(LookupError):
+    """A family, or a label value, was counted without being declared (a bug)."""
 
-RUNS_STARTED = Family("iotqueue_runs_started", "Runs that started (pending -> running).", COUNTER)
-RUNS = Family(
-    "iotqueue_runs",
-    "Runs that ended, by terminal status.",
-    COUNTER,
-    ("outcome",),
-    ("succeeded", "failed", "timed_out", "canceled", "compensated"),
-)
-STEPS = Family(
-    "iotqueue_steps",
-    "Step runs (one per device of a fan-out, compensations included) that ended, by terminal status.",
-    COUNTER,
-    ("outcome",),
-    ("succeeded", "failed", "timed_out", "canceled", "skipped"),
-)
-STEP_RETRIES = Family(
-    "iotqueue_step_retries", "Failed attempts that will be retried after a back-off.", COUNTER
-)
-STEP_DURATION = Family(
-    "iotqueue_step_duration_seconds",
-    "Time from publishing a command to the end of that attempt, by how the attempt ended.",
-    HISTOGRAM,
-    ("outcome",),
-    ("succeeded", "failed", "timed_out", "retrying"),
-    STEP_DURATION_BUCKETS,
-)
-LOCK_WAIT = Family(
-    "iotqueue_lock_wait_seconds",
-    "Time a step attempt waited for its device (lock queue, offline device, flow control) before dispatch.",
-    HISTOGRAM,
-    buckets=LOCK_WAIT_BUCKETS,
-)
-BRIDGE_MESSAGES = Family(
-    "iotqueue_bridge_messages",
-    "Messages the bridge received, by what became of them. 'accepted' replies were valid and handed "
-    "to the engine, which may still find them stale, unknown or from a foreign device.",
-    COUNTER,
-    ("kind",),
-    ("accepted", "malformed", "stale", "unknown", "foreign_device", "unrouted", "handler_error"),
-)
-MONITOR_ACTIONS = Family(
-    "iotqueue_monitor_actions",
-    "What the monitor did: ticks, due deadlines fired (by kind), expired leases reclaimed, "
-    "work re-found by the database sweep, lock rebuilds after Redis lost its data.",
-    COUNTER,
-    ("action",),
-    (
-        "tick",
-        "deadline_ack",
-        "deadline_done",
-        "deadline_send",
-        "deadline_retry",
-        "deadline_queue",
-        "deadline_dispatch",
-        "deadline_pump",
-        "lease_reclaimed",
-        "reconciled",
-        "locks_rebuilt",
-    ),
-)
-DEVICE_QUEUE_DEPTH = Family(
-    "iotqueue_device_queue_depth",
-    "Holders waiting in a device's lock queue; only devices with someone waiting are listed.",
-    GAUGE,
-    ("device",),
-)
 
-FAMILIES = (
-    RUNS_STARTED,
-    RUNS,
-    STEPS,
-    STEP_RETRIES,
-    STEP_DURATION,
-    LOCK_WAIT,
-    BRIDGE_MESSAGES,
-    MONITOR_ACTIONS,
-)
+GaugeReader = Callable[[], Mapping[tuple[str, ...], float]]
+
+
+@dataclass
+class _Declared:
+    family: Family
+    values: frozenset[str]
+    read: GaugeReader | None = None
+
+
+# Family name -> what was declared. Filled as the apps load (their metrics modules and
+# AppConfig.ready), then only read: by every count and every scrape.
+_registry: dict[str, _Declared] = {}
+
+
+def family_declare(family: Family) -> Family:
+    """Export a counter or histogram from now on; returns it (`X = family_declare(Family(...))`).
+
+    Declaring the same family again changes nothing; another family under a declared
+    name raises ValueError, so two apps cannot export one name with different meanings.
+    """
+    if family.kind == GAUGE:
+        raise ValueError(f"{family.name}: a gauge is declared with its reader (gauge_register)")
+    return _declare(family, None)
+
+
+def family_values_add(family: Family, *values: str) -> None:
+    """Add label values to a family another app declared: the bridge declares what it
+    does with a message, the apps whose handlers take it add what they decide."""
+    declared = _declared(family)
+    if not family.values:
+        raise ValueError(f"{family.name} has no closed vocabulary to add values to")
+    declared.values |= frozenset(values)
+
+
+def family_values(family: Family) -> frozenset[str]:
+    """The label values `family` accepts (empty: any value)."""
+    return _declared(family).values
+
+
+def families() -> list[Family]:
+    """Every declared family, by name."""
+    return [_registry[name].family for name in sorted(_registry)]
+
+
+def gauge_register(family: Family, read: GaugeReader) -> None:
+    """Declare a gauge read at each scrape with `read()`: {label values: current value}."""
+    if family.kind != GAUGE:
+        raise ValueError(f"{family.name} is a {family.kind}, not a gauge")
+    _declare(family, read)
+
+
+def _declare(family: Family, read: GaugeReader | None) -> Family:
+    if family.values and len(family.labels) != 1:
+        raise ValueError(f"{family.name}: label values are listed for one-label families only")
+    declared = _registry.get(family.name)
+    if declared is None:
+        _registry[family.name] = _Declared(family, frozenset(family.values), read)
+    elif declared.family != family:
+        raise ValueError(f"metric family {family.name} is already declared as {declared.family}")
+    elif read is not None:
+        declared.read = read
+    return family
+
+
+def _declared(family: Family) -> _Declared:
+    declared = _registry.get(family.name)
+    if declared is None or (declared.family is not family and declared.family != family):
+        raise UndeclaredMetric(f"metric family {family.name} is counted but not declared (family_declare)")
+    return declared
+
+
+def _labelsets(family: Family) -> list[tuple[str, ...]]:
+    """The label value tuples always reported (zero until counted)."""
+    if not family.labels:
+        return [()]
+    return [(value,) for value in sorted(_declared(family).values)]
 
 
 # --- recording ------------------------------------------------------------------------
 
 
-def _labels_field(family: Family, labels: tuple[str, ...]) -> str:
+def _labels_field(family: Family, kind: str, labels: tuple[str, ...]) -> str:
+    """The hash field for `labels`; raises at the caller what no scrape could show."""
+    declared = _declared(family)
+    if family.kind != kind:
+        raise ValueError(f"{family.name} is a {family.kind}, not a {kind}")
     if len(labels) != len(family.labels):
         raise ValueError(f"{family.name} takes labels {family.labels}, got {labels}")
+    if declared.values and labels[0] not in declared.values:
+        raise UndeclaredMetric(f"{family.name}: {family.labels[0]}={labels[0]!r} is counted but not declared")
     return LABEL_SEP.join(labels)
 
 
@@ -181,11 +184,11 @@ class MetricsBatch:
         return bool(self._ops)
 
     def count(self, family: Family, *labels: str, amount: int = 1) -> MetricsBatch:
-        self._ops.append(("hincrby", family.key, _labels_field(family, labels), amount))
+        self._ops.append(("hincrby", family.key, _labels_field(family, COUNTER, labels), amount))
         return self
 
     def observe(self, family: Family, value: float, *labels: str) -> MetricsBatch:
-        head = _labels_field(family, labels) + FIELD_SEP
+        head = _labels_field(family, HISTOGRAM, labels) + FIELD_SEP
         self._ops.append(("hincrby", family.key, head + _bucket_le(family, value), 1))
         self._ops.append(("hincrbyfloat", family.key, head + SUM, value))
         return self
@@ -234,7 +237,7 @@ class CounterBuffer:
         self._sent_at = time.monotonic()
 
     def add(self, family: Family, *labels: str, amount: int = 1) -> None:
-        _labels_field(family, labels)  # a wrong label count fails here, at the caller
+        _labels_field(family, COUNTER, labels)  # a wrong family or label fails here, at the caller
         with self._lock:
             self._counts[(family, labels)] += amount
             due = time.monotonic() - self._sent_at >= self.flush_seconds
@@ -255,23 +258,12 @@ class CounterBuffer:
 counter_buffer = CounterBuffer()
 
 
-# --- gauges computed at scrape time ---------------------------------------------------
-
-GaugeReader = Callable[[], Mapping[tuple[str, ...], float]]
-_gauges: dict[str, tuple[Family, GaugeReader]] = {}
-
-
-def gauge_register(family: Family, read: GaugeReader) -> None:
-    """Report `family` at each scrape with `read()`: {label values: current value}."""
-    _gauges[family.name] = (family, read)
-
-
 # --- scraping -------------------------------------------------------------------------
 
 
 def _counter_metric(family: Family, fields: dict[str, str]) -> Metric:
     metric = CounterMetricFamily(family.name, family.doc, labels=family.labels)
-    values = {labels: 0.0 for labels in family.labelsets()}
+    values = {labels: 0.0 for labels in _labelsets(family)}
     for field, value in fields.items():
         values[tuple(field.split(LABEL_SEP)) if family.labels else ()] = float(value)
     for labels, value in sorted(values.items()):
@@ -282,7 +274,7 @@ def _counter_metric(family: Family, fields: dict[str, str]) -> Metric:
 def _histogram_metric(family: Family, fields: dict[str, str]) -> Metric:
     metric = HistogramMetricFamily(family.name, family.doc, labels=family.labels)
     series: dict[tuple[str, ...], dict[str, float]] = defaultdict(dict)
-    for labels in family.labelsets():
+    for labels in _labelsets(family):
         series[labels] = {}
     for field, value in fields.items():
         head, _, tail = field.rpartition(FIELD_SEP)
@@ -308,20 +300,22 @@ def _gauge_metric(family: Family, read: GaugeReader) -> Metric:
 
 
 class RedisCollector(Collector):
-    """Reads every family from Redis at scrape time; a Redis failure fails the scrape."""
+    """Reads every declared family at scrape time; a Redis failure fails the scrape."""
 
     def collect(self) -> Iterator[Metric]:
+        declared = families()
+        counted = [family for family in declared if family.kind != GAUGE]
         with redis_connection().pipeline(transaction=False) as pipe:
-            for family in FAMILIES:
+            for family in counted:
                 pipe.hgetall(family.key)
-            stored = pipe.execute()
-        for family, fields in zip(FAMILIES, stored, strict=True):
-            if family.kind == HISTOGRAM:
-                yield _histogram_metric(family, fields)
+            stored = dict(zip(counted, pipe.execute(), strict=True))
+        for family in declared:
+            if family.kind == GAUGE:
+                yield _gauge_metric(family, _registry[family.name].read)
+            elif family.kind == HISTOGRAM:
+                yield _histogram_metric(family, stored[family])
             else:
-                yield _counter_metric(family, fields)
-        for family, read in _gauges.values():
-            yield _gauge_metric(family, read)
+                yield _counter_metric(family, stored[family])
 
 
 # Only this project's families: the web process's own CPU and memory would say nothing

@@ -1,7 +1,8 @@
 """MQTT plumbing: paho clients built from MQTT_URL, and the per-process command publisher.
 
 Every client gets a unique client id (prefix, role, host, pid, random) so replicas never
-kick each other off the broker. Credentials come from the URL, TLS from the mqtts scheme.
+kick each other off the broker, except the bridge's, whose persistent session needs a
+stable one (iotqueue/bridge.py). Credentials come from the URL, TLS from the mqtts scheme.
 """
 
 from __future__ import annotations
@@ -58,25 +59,36 @@ def broker_address(url: str | None = None) -> BrokerAddress:
     )
 
 
-def client_id(role: str) -> str:
+def unique_client_id(role: str) -> str:
     """A client id unique per process and call: iotqueue-bridge-host-1234-ab12cd."""
     host = socket.gethostname().split(".")[0][:16]
     return f"{settings.MQTT_CLIENT_ID_PREFIX}-{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def client_create(role: str, *, url: str | None = None, clean_session: bool = True) -> mqtt.Client:
-    """A configured (not yet connected) paho 2.x client for MQTT 3.1.1."""
+def client_create(
+    role: str, *, url: str | None = None, client_id: str | None = None, clean_session: bool = True
+) -> mqtt.Client:
+    """A configured (not yet connected) paho 2.x client for MQTT 3.1.1.
+
+    Without `client_id` the id is unique to this call (see `unique_client_id`); a client
+    with a persistent session (`clean_session=False`) needs a stable one.
+    """
     address = broker_address(url)
     client = mqtt.Client(
         callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-        client_id=client_id(role),
+        client_id=client_id or unique_client_id(role),
         protocol=mqtt.MQTTv311,
         clean_session=clean_session,
     )
     if address.username:
         client.username_pw_set(address.username, address.password)
     if address.tls:
-        client.tls_set(ca_certs=settings.MQTT_CA_FILE or None, cert_reqs=ssl.CERT_REQUIRED)
+        client.tls_set(
+            ca_certs=settings.MQTT_CA_FILE or None,
+            certfile=settings.MQTT_CERT_FILE or None,
+            keyfile=settings.MQTT_KEY_FILE or None,
+            cert_reqs=ssl.CERT_REQUIRED,
+        )
     # Back off 1 s .. 30 s between reconnect attempts so a restarting broker is not hammered.
     client.reconnect_delay_set(min_delay=1, max_delay=30)
     client.on_socket_open = _socket_nodelay
@@ -99,11 +111,13 @@ def client_connect(client: mqtt.Client, *, url: str | None = None) -> None:
     client.loop_start()
 
 
-class Publisher:
+class ProcessClient:
     """One connected client per process, shared by the threads of that process.
 
-    Created lazily on first publish and re-created after a fork (Celery prefork), since a
-    paho client and its socket cannot be shared across processes.
+    Created lazily on first use and re-created after a fork (Celery prefork), since a paho
+    client and its socket cannot be shared across processes. `_ready` is set once the
+    client can be used: on connect here; a subclass that must first subscribe overrides
+    `_on_ready_connect` and sets it later, and adds its callbacks in `_client_configure`.
     """
 
     def __init__(self, role: str) -> None:
@@ -111,25 +125,43 @@ class Publisher:
         self._lock = threading.Lock()
         self._client: mqtt.Client | None = None
         self._pid = 0
-        self._connected = threading.Event()
+        self._ready = threading.Event()
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if not reason_code.is_failure:
-            self._connected.set()
+            self._on_ready_connect(client)
+
+    def _on_ready_connect(self, client: mqtt.Client) -> None:
+        self._ready.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
-        self._connected.clear()
+        self._ready.clear()
+
+    def _client_configure(self, client: mqtt.Client) -> None:
+        """Callbacks beyond connect and disconnect, set before the client connects."""
 
     def _client_get(self) -> mqtt.Client:
         with self._lock:
             if self._client is None or self._pid != os.getpid():
-                self._connected = threading.Event()
+                self._ready = threading.Event()
                 client = client_create(self.role)
                 client.on_connect = self._on_connect
                 client.on_disconnect = self._on_disconnect
+                self._client_configure(client)
                 client_connect(client)
                 self._client, self._pid = client, os.getpid()
             return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.disconnect()
+                self._client.loop_stop()
+            self._client = None
+
+
+class Publisher(ProcessClient):
+    """The process's command publisher (a ProcessClient that publishes)."""
 
     def connect(self) -> None:
         """Start connecting now (non-blocking), so the first publish finds a live session."""
@@ -138,7 +170,7 @@ class Publisher:
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
         client = self._client_get()
-        if not self._connected.wait(CONNECT_TIMEOUT_SECONDS):
+        if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
             address = broker_address()
             raise PublishError(f"not connected to MQTT broker at {address.host}:{address.port}")
         info = client.publish(topic, payload, qos=qos, retain=retain)
@@ -169,7 +201,7 @@ class Publisher:
         if not messages:
             return []
         client = self._client_get()
-        if not self._connected.wait(CONNECT_TIMEOUT_SECONDS):
+        if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
             address = broker_address()
             return [f"not connected to MQTT broker at {address.host}:{address.port}"] * len(messages)
         outcomes: list[Any] = []
@@ -180,13 +212,6 @@ class Publisher:
             else:
                 outcomes.append(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         return outcomes
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None and self._pid == os.getpid():
-                self._client.disconnect()
-                self._client.loop_stop()
-            self._client = None
 
 
 publisher = Publisher("worker")

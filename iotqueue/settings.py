@@ -1,13 +1,18 @@
 """Settings for iotqueue, read from the environment (12-factor).
 
-Every value has a development default so `make run` works on a bare machine; production
-sets DATABASE_URL, REDIS_URL, MQTT_URL, SECRET_KEY and DEBUG=false.
+Settings fail closed: DEBUG is off unless asked for, and without DEBUG nothing starts
+without a real SECRET_KEY and ALLOWED_HOSTS. The dev stack and the test suite set DEBUG=true,
+and with it every other value has a development default so `make run` works on a bare
+machine; production sets DATABASE_URL, REDIS_URL, MQTT_URL, SECRET_KEY and ALLOWED_HOSTS.
 """
 
+import importlib.util
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import environ
+from django.core.checks.security import base as security_checks
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -18,9 +23,71 @@ VAR_DIR.mkdir(exist_ok=True)
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
-DEBUG = env.bool("DEBUG", default=True)
-SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-key-change-me")
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
+DEBUG = env.bool("DEBUG", default=False)
+# Published in this repository, so it signs nothing outside DEBUG; earlier releases used it
+# as the default everywhere, so it is refused by name too.
+DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
+SECRET_KEY = env("SECRET_KEY", default=DEV_SECRET_KEY if DEBUG else "")
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"] if DEBUG else [])
+
+
+def _secret_key_refusal(key: str) -> str:
+    """Why `key` may not sign sessions and tokens in production ("" when it may).
+
+    The bar is Django's own deploy check (security.W009), so a key that passes here passes
+    `check --deploy` too.
+    """
+    if not key:
+        return "SECRET_KEY is not set"
+    if key == DEV_SECRET_KEY or key.startswith(security_checks.SECRET_KEY_INSECURE_PREFIX):
+        return "SECRET_KEY is a published development key"
+    min_length = security_checks.SECRET_KEY_MIN_LENGTH
+    min_unique = security_checks.SECRET_KEY_MIN_UNIQUE_CHARACTERS
+    if len(key) < min_length:
+        return f"SECRET_KEY has fewer than {min_length} characters"
+    if len(set(key)) < min_unique:
+        return f"SECRET_KEY has fewer than {min_unique} distinct characters"
+    return ""
+
+
+if not DEBUG:
+    if refusal := _secret_key_refusal(SECRET_KEY):
+        raise ImproperlyConfigured(
+            f"{refusal}. With DEBUG off, set SECRET_KEY to a long random value, e.g. "
+            "python3 -c 'import secrets; print(secrets.token_urlsafe(50))' (or DEBUG=true for development)."
+        )
+    if not ALLOWED_HOSTS:
+        raise ImproperlyConfigured(
+            "ALLOWED_HOSTS is not set. With DEBUG off, set it to the comma-separated host names "
+            "the web server answers to (or DEBUG=true for development)."
+        )
+
+# --- HTTPS and cookies -----------------------------------------------------------------
+# Production defaults assume TLS in front of gunicorn (a proxy or load balancer); each can be
+# set from the environment. DEBUG's defaults keep plain-HTTP runserver usable.
+SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=not DEBUG)
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=not DEBUG)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=not DEBUG)
+# HSTS: browsers refuse plain HTTP for this long after one HTTPS visit; a year is the
+# usual production value (and what the HSTS preload list asks for). 0 sends no header.
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0 if DEBUG else 365 * 24 * 3600)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=not DEBUG)
+# Preloading asks browser vendors to hard-code HTTPS for the whole registered domain, every
+# subdomain included, and takes months to undo: the domain owner's decision, so opt-in.
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+# "HTTP_X_FORWARDED_PROTO,https" behind a TLS-terminating proxy that sets that header (and
+# strips it from clients): Django then knows the request came over HTTPS. Unset otherwise,
+# or any client could claim HTTPS.
+SECURE_PROXY_SSL_HEADER = tuple(env.list("SECURE_PROXY_SSL_HEADER", default=[])) or None
+if SECURE_PROXY_SSL_HEADER is not None and len(SECURE_PROXY_SSL_HEADER) != 2:
+    raise ImproperlyConfigured(
+        "SECURE_PROXY_SSL_HEADER must be 'HEADER,value', e.g. HTTP_X_FORWARDED_PROTO,https"
+    )
+# Origins (scheme://host) allowed to POST forms, e.g. https://iotqueue.example.com when
+# a proxy serves the site under another host or port than the one Django sees.
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+# security.W021 is SECURE_HSTS_PRELOAD being off: see above, it is left to the domain owner.
+SILENCED_SYSTEM_CHECKS = ["security.W021"]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -37,6 +104,10 @@ INSTALLED_APPS = [
     "devices",
     "jobs",
     "triggers",
+    "webhooks",
+    # Development tooling (simulate, demo): present in a checkout, left out of the runtime image.
+    *(["devtools"] if importlib.util.find_spec("devtools") else []),
+    "axes",  # admin login lockout; last, so its admin pages sit after the project's
 ]
 
 MIDDLEWARE = [
@@ -51,6 +122,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: answers a locked-out login with AXES_HTTP_RESPONSE_CODE.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "iotqueue.urls"
@@ -97,6 +170,23 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# django-axes first: it refuses a locked-out username and address before any password check.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Admin (and token endpoint) login lockout: after this many failed logins of one username
+# from one address, that pair is refused for the cool-off; a success clears the count.
+# Username and address together: locking an address alone would let one attacker behind a
+# shared proxy lock everybody out, a username alone would let anyone lock out the admin.
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.float("AXES_COOLOFF_MINUTES", default=15.0))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
+# The client address as the API throttles see it (REST_FRAMEWORK's NUM_PROXIES).
+AXES_CLIENT_IP_CALLABLE = "iotqueue.throttling.client_address"
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -111,6 +201,14 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)  # empty until collectstatic; WhiteNoise warns if it is missing
 
+# API input limits (iotqueue/api.py, iotqueue/jsondepth.py). JSON nested deeper than this,
+# in a request body, a stored JSON field or a device message, is refused with a 400 (or
+# dropped with an event): Python's JSON code recurses per level and fails near a thousand,
+# and no real body needs more than a handful. Bodies larger than DATA_UPLOAD_MAX_MEMORY_SIZE
+# (Django's 2.5 MB by default) are refused with a 413, JSON ones included.
+IOTQUEUE_JSON_MAX_DEPTH = env.int("IOTQUEUE_JSON_MAX_DEPTH", default=32)
+DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("DATA_UPLOAD_MAX_MEMORY_SIZE", default=2_621_440)
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.TokenAuthentication",
@@ -123,29 +221,76 @@ REST_FRAMEWORK = {
         "iotqueue.api.NulRefusingFormParser",
         "iotqueue.api.NulRefusingMultiPartParser",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # DRF's handler, plus 409 for deleting what is still referenced and for unique-name
+    # races, and 413 for oversized bodies: an answer in JSON, never a 500.
+    "EXCEPTION_HANDLER": "iotqueue.api_errors.api_exception_handler",
+    # drf-spectacular's, documenting every operation's error answers (iotqueue/openapi.py).
+    "DEFAULT_SCHEMA_CLASS": "iotqueue.openapi.ErrorDocumentingAutoSchema",
+    # Rate limits (iotqueue/throttling.py), counted in the Redis cache below so that every
+    # web process shares them. Writes: per user, generous (a script starting runs one by one
+    # stays under it; a runaway loop does not). Token: per client address, tight enough to
+    # make password guessing slow and loud.
+    "DEFAULT_THROTTLE_CLASSES": ["iotqueue.throttling.WriteRateThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "write": env("IOTQUEUE_API_WRITE_RATE", default="1200/min"),
+        "token": env("IOTQUEUE_API_TOKEN_RATE", default="10/min"),
+    },
+    # Proxies in front of the web server that append to X-Forwarded-For: with 0 the client
+    # address is REMOTE_ADDR, and a client cannot pick its own address with that header.
+    "NUM_PROXIES": env.int("IOTQUEUE_NUM_PROXIES", default=0),
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "iotqueue API",
     "DESCRIPTION": "Devices, job templates and runs: start, follow and cancel jobs on IoT devices over MQTT.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Request bodies as their own components (no read-only fields, "required" as the server
+    # means it): what generated clients need to send a body without hand edits.
+    "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "iotqueue.openapi.schema_refine",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "jobs.models.RunStatus",
         "StepStatusEnum": "jobs.models.StepStatus",
     },
 }
 
+# --- Request limits ------------------------------------------------------------------------
+# What one write may ask for; over a limit the answer is 400 naming the field and the limit.
+# Steps per template: each write validates every step and each run copies them all into its
+# plan; hand-written procedures stay far below, and a fleet is one fan-out step, not a step
+# per device.
+IOTQUEUE_TEMPLATE_MAX_STEPS = env.int("IOTQUEUE_TEMPLATE_MAX_STEPS", default=200)
+# Devices one for_each start may select: it creates a run per device within the request.
+# More than this is a rollout, which a fan-out step paces (rollout_per_minute, max_in_flight).
+IOTQUEUE_FOR_EACH_MAX_DEVICES = env.int("IOTQUEUE_FOR_EACH_MAX_DEVICES", default=500)
+# Devices one fan-out step may address: its rows are written in one transaction when it
+# starts, and counted on every device's reply. A step matching more fails at once.
+IOTQUEUE_FANOUT_MAX_DEVICES = env.int("IOTQUEUE_FANOUT_MAX_DEVICES", default=10_000)
+# A run's parameters as compact JSON: stored on the run and rendered into every step's args;
+# like a device reply (IOTQUEUE_MAX_PAYLOAD_BYTES), values, not documents.
+IOTQUEUE_RUN_PARAMETERS_MAX_BYTES = env.int("IOTQUEUE_RUN_PARAMETERS_MAX_BYTES", default=64 * 1024)
+
 # --- Redis: Celery broker and device locks -------------------------------------------
 REDIS_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
+# The API's throttle counts live here; the backend reads REDIS_URL and the key prefix when
+# first used (iotqueue/cache.py), so they follow this Redis and IOTQUEUE_REDIS_KEY_PREFIX.
+CACHES = {"default": {"BACKEND": "iotqueue.cache.ProjectRedisCache"}}
 
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=REDIS_URL)
-CELERY_RESULT_BACKEND = None
+# Results are stored only by tasks that ask (CELERY_TASK_IGNORE_RESULT below): chords and
+# AsyncResult of canvas device commands (jobs/canvas.py) need a backend; Redis is it.
+CELERY_RESULT_BACKEND = env("CELERY_RESULT_BACKEND", default=REDIS_URL)
 CELERY_TASK_IGNORE_RESULT = True
 # Tests give each session its own queue so a shared Redis never mixes their tasks.
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="celery")
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+# Task modules beyond the apps' tasks.py, comma-separated: imported by the worker, and by the
+# web process before it checks a template's task steps (jobs/tasksteps.py).
+CELERY_IMPORTS = env.list("CELERY_IMPORTS", default=[])
 # A task is acknowledged only after it ran, and comes back if its worker dies: every
 # step task is idempotent on (step, attempt, fence), so a second execution is harmless.
 CELERY_TASK_ACKS_LATE = True
@@ -167,8 +312,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBIL
 CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=200)
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # The monitor tick (timeouts, retries, lease reclaim); its period bounds how late a
-# deadline fires. DatabaseScheduler copies this entry into its table on start, and
-# `manage.py monitors_install` does so too (both idempotent).
+# deadline fires. The jobs app registers the tick and retention with beat (jobs/beat.py).
 IOTQUEUE_MONITOR_INTERVAL = env.float("IOTQUEUE_MONITOR_INTERVAL", default=1.0)
 # How often the monitor sweeps the database for work Redis lost (a killed worker's task,
 # a Redis restart); a lost step is rescued within about this long.
@@ -192,17 +336,29 @@ IOTQUEUE_INBOX_LINGER_MS = env.int("IOTQUEUE_INBOX_LINGER_MS", default=50)
 # A trigger repeating an idempotency key within this window gets the existing run back;
 # after it, the key starts a new run.
 IOTQUEUE_IDEMPOTENCY_HOURS = env.float("IOTQUEUE_IDEMPOTENCY_HOURS", default=24.0)
-CELERY_BEAT_SCHEDULE = {
-    "iotqueue-monitor": {"task": "jobs.monitor_tick", "schedule": IOTQUEUE_MONITOR_INTERVAL},
-    "iotqueue-retention": {"task": "jobs.runs_prune", "schedule": 3600.0},
-}
 CELERY_TIMEZONE = TIME_ZONE
 
 # --- MQTT ------------------------------------------------------------------------------
 # mqtt://user:pass@host:1883 or mqtts://user:pass@host:8883 (TLS, system CAs or MQTT_CA_FILE)
 MQTT_URL = env("MQTT_URL", default="mqtt://127.0.0.1:1883")
 MQTT_CA_FILE = env("MQTT_CA_FILE", default="")
+# With mqtts://, a client certificate (PEM) and its key, for a broker with require_certificate.
+MQTT_CERT_FILE = env("MQTT_CERT_FILE", default="")
+MQTT_KEY_FILE = env("MQTT_KEY_FILE", default="")
+if bool(MQTT_CERT_FILE) != bool(MQTT_KEY_FILE):
+    raise ImproperlyConfigured("MQTT_CERT_FILE and MQTT_KEY_FILE go together: set both or neither")
 MQTT_CLIENT_ID_PREFIX = env("MQTT_CLIENT_ID_PREFIX", default="iotqueue")
+# The bridge's client id, stable across its restarts so that the broker keeps its session
+# (and the replies that arrive while it is away). Unique per replica; empty: the prefix,
+# "bridge" and the host name (one bridge per host or container).
+MQTT_BRIDGE_CLIENT_ID = env("MQTT_BRIDGE_CLIENT_ID", default="")
+# How devices authenticate to the broker. "dynsec": iotqueue manages each device's broker
+# user and ACLs (only its own topics) through Mosquitto's dynamic security plugin, with the
+# MQTT_URL user as administrator (devices/credentials.py). "none": the broker's identities
+# are managed elsewhere (or it is the anonymous pip-only development broker).
+IOTQUEUE_MQTT_AUTH = env("IOTQUEUE_MQTT_AUTH", default="dynsec")
+if IOTQUEUE_MQTT_AUTH not in ("dynsec", "none"):
+    raise ImproperlyConfigured(f"IOTQUEUE_MQTT_AUTH must be 'dynsec' or 'none', not {IOTQUEUE_MQTT_AUTH!r}")
 # Topic prefix P of the device protocol (docs/protocol.md).
 IOTQUEUE_TOPIC_PREFIX = env("IOTQUEUE_TOPIC_PREFIX", default="iotqueue")
 # Non-empty: the bridge subscribes as $share/<group>/... so several bridges split the load
@@ -211,6 +367,29 @@ MQTT_SHARED_GROUP = env("MQTT_SHARED_GROUP", default="")
 # Replies larger than this are dropped unread: no device reply needs more, and the bridge
 # must not be made to parse megabytes.
 IOTQUEUE_MAX_PAYLOAD_BYTES = env.int("IOTQUEUE_MAX_PAYLOAD_BYTES", default=64 * 1024)
+
+# --- Run events out (webhooks/) -----------------------------------------------------------
+# Run lifecycle events on P/events/runs/<run id> (QoS 1) for consumers without HTTP.
+IOTQUEUE_RUN_EVENTS_MQTT = env.bool("IOTQUEUE_RUN_EVENTS_MQTT", default=True)
+# Mail the ADMINS (mail_admins, Django's EMAIL_* settings) when a run fails, times out or is
+# rolled back.
+IOTQUEUE_FAILED_RUN_EMAIL = env.bool("IOTQUEUE_FAILED_RUN_EMAIL", default=False)
+# Comma-separated "Name:mail@example.com" (or just the address).
+ADMINS = [(admin.partition(":")[0], admin.rpartition(":")[2]) for admin in env.list("ADMINS", default=[])]
+SERVER_EMAIL = env("SERVER_EMAIL", default="iotqueue@localhost")
+EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+# One webhook request may take this long: a receiver should answer at once and work later.
+IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS = env.float("IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS", default=5.0)
+# Attempts per delivery, the wait before the second (doubling after each failure) and its
+# cap. The cap stays well below the broker's visibility timeout (CELERY_VISIBILITY_TIMEOUT):
+# a retry waiting longer would be handed out a second time.
+IOTQUEUE_WEBHOOK_MAX_ATTEMPTS = env.int("IOTQUEUE_WEBHOOK_MAX_ATTEMPTS", default=5)
+IOTQUEUE_WEBHOOK_BACKOFF_SECONDS = env.float("IOTQUEUE_WEBHOOK_BACKOFF_SECONDS", default=10.0)
+IOTQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS = env.float("IOTQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS", default=120.0)
+# Deliveries failing for good in a row (every attempt used) before a webhook is disabled.
+IOTQUEUE_WEBHOOK_DISABLE_AFTER = env.int("IOTQUEUE_WEBHOOK_DISABLE_AFTER", default=10)
 
 # --- Engine ------------------------------------------------------------------------------
 IOTQUEUE_REDIS_KEY_PREFIX = env("IOTQUEUE_REDIS_KEY_PREFIX", default="iq")

@@ -3,13 +3,14 @@
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
-from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
 from devices.api import DeviceGroupViewSet, DeviceViewSet
+from iotqueue.auth_token import TokenObtainView
 from iotqueue.views import metrics_view
 from jobs.api import DeviceLockReleaseView, RunViewSet, TemplateViewSet
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
+from webhooks.api import WebhookViewSet
 
 router = DefaultRouter()
 router.register("runs", RunViewSet, basename="run")
@@ -18,14 +19,19 @@ router.register("devices", DeviceViewSet, basename="device")
 router.register("groups", DeviceGroupViewSet, basename="group")
 router.register("schedules", ScheduleViewSet, basename="schedule")
 router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
+router.register("webhooks", WebhookViewSet, basename="webhook")
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/devices/<str:name>/lock/release/", DeviceLockReleaseView.as_view(), name="device-lock-release"),
     path("api/", include(router.urls)),
-    path("api/token/", obtain_auth_token, name="api-token"),
+    path("api/token/", TokenObtainView.as_view(), name="api-token"),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     path("api/docs/redoc/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-redoc"),
     path("metrics", metrics_view, name="metrics"),
 ]
+
+# JSON, not HTML, for a URL under /api/ that no route matches (iotqueue/error_pages.py).
+handler400 = "iotqueue.error_pages.bad_request"
+handler404 = "iotqueue.error_pages.not_found"

@@ -23,13 +23,15 @@ from rest_framework.serializers import CharField
 from rest_framework.views import APIView
 
 from devices.models import Device
+from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
+from .api_docs import run_start_schema, template_create_schema
 from .cancel import lock_force_release, run_cancel
-from .models import JobRun, JobStep, JobTemplate, RunStatus, StepRun
+from .models import JobRun, JobTemplate, RunStatus, StepRun
 from .retry import RetryError, run_retry
 from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start, run_start_each
-from .template_serializers import JobTemplateSerializer
+from .template_serializers import STEPS_PREFETCH, JobTemplateSerializer, TemplateVersionSerializer
 
 
 def runs_filter(queryset, params):
@@ -74,11 +76,16 @@ def _datetime_param(name: str, value: str) -> datetime:
     return when
 
 
+# Actions on one run (POST /api/runs/<id>/<action>/); they check their own permission.
+RUN_ACTIONS = ("cancel", "retry")
+RUN_VIEW_PERMISSION = "jobs.view_jobrun"
+
+
 @extend_schema_view(list=extend_schema(parameters=RUN_LIST_PARAMETERS))
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """`POST /api/runs/` starts a run; `GET /api/runs/<id>/` shows its steps and timeline."""
 
-    queryset = JobRun.objects.select_related("template").prefetch_related(
+    queryset = JobRun.objects.select_related("template", "template_version").prefetch_related(
         Prefetch(
             "step_runs", queryset=StepRun.objects.select_related("device").order_by("index", "device__name")
         )
@@ -97,17 +104,27 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             queryset = queryset.prefetch_related("events")
         if self.action == "list":
             queryset = runs_filter(queryset, self.request.query_params)
+        if self.action in RUN_ACTIONS and not self.request.user.has_perm(RUN_VIEW_PERMISSION):
+            # No existence oracle: to a user who may not see runs, every run is unknown (the
+            # same 404 as for an id that never existed). Who may see runs gets a 403 when
+            # they may not act.
+            queryset = queryset.none()
         return queryset
 
+    @run_start_schema
     def create(self, request, *args, **kwargs):
         serializer = RunStartSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         options = dict(serializer.validated_data, trigger="rest", triggered_by=request.user.username)
+        options["version"] = options.pop("template_version", None)
         for_each = options.pop("for_each", None)
         try:
             if for_each:
                 runs = run_start_each(
-                    **options, group=for_each.get("group", ""), labels=for_each.get("labels")
+                    **options,
+                    group=for_each.get("group", ""),
+                    labels=for_each.get("labels"),
+                    selector=for_each.get("selector", ""),
                 )
                 body = RunSerializer(runs, many=True, context={"request": request}).data
                 return Response(body, status=status.HTTP_201_CREATED)
@@ -183,12 +200,38 @@ class DeviceLockReleaseView(APIView):
         return Response({"device": device.name, "released_from": holder})
 
 
+@extend_schema_view(create=template_create_schema)
 class TemplateViewSet(viewsets.ModelViewSet):
     """Templates with nested ordered steps; validation errors name the step and field."""
 
-    queryset = JobTemplate.objects.prefetch_related(
-        Prefetch("steps", queryset=JobStep.objects.select_related("device", "group").order_by("position"))
-    )
+    queryset = JobTemplate.objects.prefetch_related(STEPS_PREFETCH)
     serializer_class = JobTemplateSerializer
     lookup_field = "name"
-    lookup_value_regex = r"[^/]+"
+    lookup_value_regex = URL_NAME_LOOKUP_REGEX
+
+    @extend_schema(responses={200: TemplateVersionSerializer(many=True)})
+    @action(detail=True, methods=["get"], url_path="versions")
+    def versions(self, request, name=None):
+        """The template's recorded versions, newest first (read-only; needs view_jobtemplate)."""
+        versions = self._versions()
+        page = self.paginate_queryset(versions)
+        return self.get_paginated_response(TemplateVersionSerializer(page, many=True).data)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("number", int, OpenApiParameter.PATH, description="Version number.")],
+        responses={200: TemplateVersionSerializer},
+    )
+    @action(detail=True, methods=["get"], url_path=r"versions/(?P<number>[0-9]+)")
+    def version(self, request, name=None, number=None):
+        """One version of the template: its steps as a run of it executes them."""
+        version = get_object_or_404(self._versions(), number=int(number))
+        return Response(TemplateVersionSerializer(version).data)
+
+    def get_queryset(self):
+        if self.action in ("versions", "version"):
+            return JobTemplate.objects.all()  # the versions hold the steps
+        return super().get_queryset()
+
+    def _versions(self):
+        template = self.get_object()
+        return template.versions.select_related("author").order_by("-number")

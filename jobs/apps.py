@@ -15,10 +15,21 @@ class JobsConfig(AppConfig):
         )
         from devices.locks import grant_handler_register
         from devices.presence import device_presence_changed
-        from iotqueue.bridge import dynamic_topics_register, handler_register
+        from iotqueue.bridge import BRIDGE_MESSAGES, dynamic_topics_register, handler_register
+        from iotqueue.metrics import family_values_add
 
-        from . import engine, replies, step_locks  # engine: importing it fills its registries
+        # Importing engine fills its registries, metrics declares the app's /metrics families.
+        from . import (
+            beat,
+            cancel,  # noqa: F401  (registers the `run` deadline's handler: max_duration)
+            canvas,
+            engine,
+            metrics,
+            replies,
+            step_locks,
+        )
         from .engine.dispatch import step_handoff
+        from .events import run_ended
 
         # The device lock starts, reclaims and rebuilds "step:" holders through these.
         grant_handler_register(engine.plan.HOLDER_KIND, step_handoff)
@@ -29,8 +40,16 @@ class JobsConfig(AppConfig):
         rebuild_after_register(step_locks.steps_after_rebuild)
         for kind in protocol.REPLY_KINDS:
             handler_register(protocol.device_topic("+", kind), replies.reply_message_handle)
+        # Protocol v1.1: a device asks for its current command (jobs/current.py answers).
+        handler_register(protocol.device_topic("+", protocol.JOBS_GET), replies.jobs_get_handle)
         dynamic_topics_register(replies.legacy_reply_topics)
+        # What the reply handlers and the engine decide about a message the bridge received.
+        family_values_add(BRIDGE_MESSAGES, *metrics.BRIDGE_MESSAGE_KINDS)
         device_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
+        # A canvas command's run ending sends its Celery canvas on (jobs/canvas.py).
+        run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
+        # The monitor tick and retention, fired by beat (jobs/beat.py).
+        beat.beat_entries_register(current_app)
 
 
 # The task that lets runs react to a device's presence (jobs/tasks.py), by name.

@@ -1,4 +1,5 @@
-"""Operator actions that stop work: cancel a run, force-release a device's lock."""
+"""Stopping work: cancel a run, time out a run past its max_duration, force-release a
+device's lock."""
 
 from __future__ import annotations
 
@@ -15,10 +16,20 @@ from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
 from .engine.dispatch import step_acquire
-from .engine.plan import RUN_ACTIVE, holder_step_id, step_holder
-from .engine.runs import attempt_end_continue
+from .engine.due import run_deadline_register
+from .engine.plan import RUN_ACTIVE, holder_step_id, is_task_row, step_holder
+from .engine.runs import attempt_end_continue, run_finish, run_step_done
 from .events import event_record
-from .models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
+from .models import (
+    STEP_IN_FLIGHT,
+    STEP_TERMINAL,
+    JobRun,
+    OnFailure,
+    Phase,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
 
 CANCEL_ID_PREFIX = "cancel-"
 
@@ -43,20 +54,56 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     return True
 
 
-def step_cancel(*, step_run: StepRun, reason: str) -> None:
+def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANCELED) -> None:
+    """End a row that has not ended as `status` (canceled, or timed_out by max_duration): the
+    device gets a `cancel` for an in-flight command, the lock is handed on or left."""
     previous = step_run.status
     if not StepRun.objects.filter(pk=step_run.pk, status=previous, attempt=step_run.attempt).update(
-        status=StepStatus.CANCELED, error=reason, finished_at=timezone.now()
+        status=status, error=reason, finished_at=timezone.now()
     ):
         return  # it moved on meanwhile; a finished attempt needs no cancel
-    step_run.status = StepStatus.CANCELED
+    step_run.status = status
     deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
-        transaction.on_commit(partial(_cancel_command_send, step_run))
-        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
+        # A task step's body is not interrupted: its outcome will be stale.
+        if not is_task_row(step_run):
+            transaction.on_commit(partial(_cancel_command_send, step_run))
+        if step_run.device_id:
+            device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     elif step_run.device_id:
         device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
-    event_record("step.canceled", step_run=step_run, message=reason)
+    event_record(f"step.{status}", step_run=step_run, message=reason)
+
+
+def run_time_out(run_id: str) -> None:
+    """The `run` deadline: a run still running past its max_duration ends.
+
+    Its rows at work end `timed_out` as a cancel ends them (in-flight commands get a `cancel`,
+    locks are handed on), rows not started are skipped; then the current step's policy
+    decides as for a step that timed out: `rollback` compensates (the run ends compensated
+    or failed), `abort` and `continue` end the run `timed_out`. A run that ended, or is
+    compensating, is left alone. Runs inside the deadline task's transaction.
+    """
+    run = JobRun.objects.select_for_update().filter(pk=run_id, status=RunStatus.RUNNING).first()
+    if run is None or run.deadline is None or run.deadline > timezone.now():
+        return
+    reason = f"run exceeded its max_duration ({run.max_duration}s)"
+    rows = run.step_runs.select_related("run", "device").filter(phase=Phase.FORWARD)
+    for step_run in rows.exclude(status__in=STEP_TERMINAL):
+        if step_run.status == StepStatus.PENDING:  # a fan-out row not started
+            StepRun.objects.filter(pk=step_run.pk, status=StepStatus.PENDING).update(
+                status=StepStatus.SKIPPED, error=reason, finished_at=timezone.now()
+            )
+        else:
+            step_cancel(step_run=step_run, reason=reason, status=StepStatus.TIMED_OUT)
+    index = min(run.cursor, len(run.plan) - 1)
+    if run.plan[index].get("on_failure") == OnFailure.ROLLBACK:
+        run_step_done(run=run, index=index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
+    else:
+        run_finish(run=run, status=RunStatus.TIMED_OUT, error=reason)
+
+
+run_deadline_register("run", run_time_out)
 
 
 def _cancel_command_send(step_run: StepRun) -> None:

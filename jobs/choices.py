@@ -13,7 +13,30 @@ class OnFailure(models.TextChoices):
     ROLLBACK = "rollback", "Roll back completed steps"
 
 
+class RolloutIncrementOn(models.TextChoices):
+    SUCCEEDED = "succeeded", "Devices that succeeded"
+    NOTIFIED = "notified", "Devices that were sent the command"
+
+
+class AbortCause(models.TextChoices):
+    FAILED = "failed", "Failed"
+    REJECTED = "rejected", "Rejected by the device"
+    TIMED_OUT = "timed_out", "Timed out"
+    ANY = "any", "Any of these"
+
+
 class StepKind(models.TextChoices):
     COMMAND = "command", "Send a command"
     DELAY = "delay", "Wait a number of seconds"
     WAIT_ONLINE = "wait_online", "Wait until the device is online"
+    TASK = "task", "Run a registered Celery task"
+
+
+# How far past its timeout a device may push an attempt by default (progress extend_seconds):
+# an hour covers a slow firmware flash, while a device stuck in a loop of extensions still
+# times out within the hour.
+DEFAULT_MAX_EXTEND_SECONDS = 3600
+
+# The largest rollout increment factor: AWS IoT Jobs' exponentialRate allows 1.1 to 5; past
+# that a ramp reaches any fleet size within a couple of step-ups and is no ramp at all.
+MAX_INCREMENT_FACTOR = 5.0

@@ -102,7 +102,7 @@ def run_load(run_id: Any) -> JobRun:
     """The run read afresh, with its template and step rows (devices joined)."""
     rows = StepRun.objects.select_related("device").order_by("index", "device__name", "pk")
     return (
-        JobRun.objects.select_related("template")
+        JobRun.objects.select_related("template", "template_version")
         .prefetch_related(Prefetch("step_runs", queryset=rows))
         .get(pk=run_id)
     )
@@ -221,7 +221,7 @@ def step_lines(run: JobRun) -> dict[str, str]:
     lines = {}
     for index, spec in enumerate(run.plan):
         rows, label = forward.get(index, []), f"#{index}"
-        if spec.get("group") or spec.get("labels"):
+        if spec.get("group") or spec.get("labels") or spec.get("selector"):
             lines[label] = _fanout_line(label, rows, spec) if rows else _not_started_line(run, label, spec)
         elif rows:
             lines.update((f"{label}/{row.pk}", _row_line(label, row, spec)) for row in rows)
@@ -265,6 +265,8 @@ def run_detail_lines(run: JobRun) -> list[str]:
         f"   took {run_duration(run)}",
         f"parameters  {json.dumps(run.parameters)}",
     ]
+    if run.template_version_id:
+        lines.insert(1, f"version     v{run.template_version.number} of the template")
     if run.retry_of_id:
         lines.append(f"retry of    {run.retry_of_id}")
     if run.idempotency_key:

@@ -5,7 +5,8 @@ Kinds: `queue` (waited too long for the device), `ack` and `done` (the device di
 answer in time), `retry` (back-off over: queue again), `send` (the command was committed
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
-rate allows starting more devices; the member names a row of the fan-out not yet started).
+rate allows starting more devices; the member names a row of the fan-out not yet started),
+`run` (a run's max_duration is over; the member names the run by its UUID, not a step row).
 
 How it fails: the set lives in Redis, so a Redis restart loses it. The step rows carry
 the same deadline (`StepRun.deadline`), and the monitor's reconcile pass re-finds overdue
@@ -22,13 +23,15 @@ from pathlib import Path
 
 from iotqueue.redis_conn import redis_connection, redis_key
 
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump")
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run")
+# Kinds whose member names a run (its UUID) instead of a step row.
+RUN_KINDS = ("run",)
 
 
 @dataclass(frozen=True)
 class Deadline:
     kind: str
-    step_run_id: int
+    step_run_id: int | str  # a run's UUID (str) for RUN_KINDS
     attempt: int
 
     @property
@@ -37,8 +40,8 @@ class Deadline:
 
     @classmethod
     def parse(cls, member: str) -> Deadline:
-        kind, step_run_id, attempt = member.split(":")
-        return cls(kind, int(step_run_id), int(attempt))
+        kind, target, attempt = member.split(":")
+        return cls(kind, target if kind in RUN_KINDS else int(target), int(attempt))
 
 
 def deadlines_key() -> str:

@@ -2,8 +2,9 @@
 
 Every transition passes through `event_record`, so it is also where the transition is
 logged (with run id, step, device and command id as separate fields for JSON logs) and
-counted for /metrics (iotqueue/metrics.py): run and step outcomes, step durations, lock
-waits and dropped replies, sent to Redis in one round trip once the transition commits.
+counted for /metrics (jobs/metrics.py declares the families): run and step outcomes, step
+durations, lock waits and dropped replies, sent to Redis in one round trip once the
+transition commits.
 """
 
 from __future__ import annotations
@@ -15,17 +16,10 @@ from django.db import transaction
 from django.dispatch import Signal
 from django.utils import timezone
 
-from iotqueue.metrics import (
-    BRIDGE_MESSAGES,
-    LOCK_WAIT,
-    RUNS,
-    RUNS_STARTED,
-    STEP_DURATION,
-    STEP_RETRIES,
-    STEPS,
-    MetricsBatch,
-)
+from iotqueue.bridge import BRIDGE_MESSAGES
+from iotqueue.metrics import MetricsBatch
 
+from .metrics import LOCK_WAIT, RUNS, RUNS_STARTED, STEP_DURATION, STEP_RETRIES, STEPS
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
 from .rows import rows_insert
 
@@ -36,9 +30,28 @@ log = logging.getLogger("jobs.timeline")
 # INSERT. Other apps hook the end of runs here (e.g. a schedule's waiting fire).
 run_ended = Signal()
 RUN_END_KINDS = frozenset(f"run.{status}" for status in RUN_TERMINAL)
+# Sent (with events=, a non-empty list of saved RunEvents of these kinds) once per
+# `event_record` and once per batched INSERT, in the transaction that wrote them: the run
+# lifecycle other systems are told about (webhooks, MQTT events). Receivers must stay cheap
+# (no query per event on the engine's path) and act only after the commit. step.aborted is
+# a fan-out stopped by one of its abort criteria; step.rejected a device that refused.
+lifecycle_events = Signal()
+LIFECYCLE_KINDS = RUN_END_KINDS | {
+    "run.started",
+    "step.failed",
+    "step.rejected",
+    "step.timed_out",
+    "step.aborted",
+}
 
 # Statuses that end an attempt that was dispatched: its dispatch -> end is a step duration.
-ATTEMPT_ENDS = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT, StepStatus.RETRYING)
+ATTEMPT_ENDS = (
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.REJECTED,
+    StepStatus.TIMED_OUT,
+    StepStatus.RETRYING,
+)
 # Replies the engine (or the bridge) dropped, by the kind they count as on /metrics.
 DROPPED_MESSAGE_KINDS = {
     "message.dropped": "malformed",
@@ -71,7 +84,10 @@ def event_new(
         run_id = run.pk if run is not None else None
     if log.isEnabledFor(logging.INFO):
         _event_log(kind, run_id, device, message, data)
-    return RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
+    event = RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
+    if run is not None:
+        event.run = run  # kept for the run_ended receivers (no query to read the run back)
+    return event
 
 
 def event_record(kind: str, **fields: Any) -> RunEvent:
@@ -81,6 +97,8 @@ def event_record(kind: str, **fields: Any) -> RunEvent:
     event.save(force_insert=True)
     if kind in RUN_END_KINDS:
         run_ended.send(sender=RunEvent, event=event)
+    if kind in LIFECYCLE_KINDS:
+        lifecycle_events.send(sender=RunEvent, events=[event])
     batch = event_metrics(kind, fields.get("step_run"))
     if batch:
         # Counted once the transition is committed: a rolled-back one never happened.
@@ -115,9 +133,12 @@ class EventLog:
             for event in events:
                 event.created_at = now
             rows_insert(RunEvent, events, EVENT_FIELDS)
-            for event in events:
+            lifecycle = [event for event in events if event.kind in LIFECYCLE_KINDS]
+            for event in lifecycle:
                 if event.kind in RUN_END_KINDS:
                     run_ended.send(sender=RunEvent, event=event)
+            if lifecycle:
+                lifecycle_events.send(sender=RunEvent, events=lifecycle)
 
 
 def _event_log(kind: str, run_id: Any, device: str, message: str, data: dict[str, Any]) -> None:

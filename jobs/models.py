@@ -2,25 +2,42 @@
 
 import uuid
 
+from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from devices.models import Device, DeviceGroup
+from devices.protocol import EXTEND_SECONDS_LIMIT
+from devices.selectors import SELECTOR_MAX_LENGTH
+from iotqueue.names import url_name_validator
 
 # Defined apart so jobs/validation.py need not import the models; `from jobs.models import
 # StepKind` keeps working.
-from .choices import OnFailure, StepKind
+from .choices import (
+    DEFAULT_MAX_EXTEND_SECONDS,
+    MAX_INCREMENT_FACTOR,
+    OnFailure,
+    RolloutIncrementOn,
+    StepKind,
+)
 
 
 class JobTemplate(models.Model):
     """A named, ordered list of steps that a trigger can start as a run."""
 
-    name = models.CharField(max_length=128, unique=True)
+    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
     description = models.TextField(blank=True)
     default_priority = models.SmallIntegerField(
         default=5,
         validators=[MinValueValidator(0), MaxValueValidator(9)],
         help_text="0 lowest .. 9 most urgent",
+    )
+    max_duration = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Seconds a run may take from its start; past it the run ends timed_out and its "
+        "in-flight commands are canceled. Empty: no limit.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -42,7 +59,7 @@ class JobStep(models.Model):
         max_length=128, blank=True, help_text="Lets later steps say {{ steps.NAME.result }}."
     )
     kind = models.CharField(max_length=16, choices=StepKind.choices, default=StepKind.COMMAND)
-    # Target: exactly one of device, device_param, group, labels (delay steps have none).
+    # Target: exactly one of device, device_param, group, labels, selector (delay steps have none).
     device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="steps", null=True, blank=True)
     device_param = models.CharField(
         max_length=64,
@@ -57,6 +74,12 @@ class JobStep(models.Model):
         blank=True,
         help_text='Fan out to every enabled device with these labels, e.g. {"kind": "pump"}.',
     )
+    selector = models.CharField(
+        max_length=SELECTOR_MAX_LENGTH,
+        blank=True,
+        help_text="Fan out to every enabled device a label selector matches when the step starts, "
+        "e.g. site in (berlin,paris),!legacy.",
+    )
     action = models.CharField(
         max_length=128, blank=True, help_text="e.g. unlock, on, snapshot, firmware/check"
     )
@@ -68,6 +91,12 @@ class JobStep(models.Model):
     )
     queue_timeout_seconds = models.PositiveIntegerField(
         default=600, help_text="How long the step may wait for a busy or offline device."
+    )
+    max_extend_seconds = models.PositiveIntegerField(
+        default=DEFAULT_MAX_EXTEND_SECONDS,
+        validators=[MaxValueValidator(EXTEND_SECONDS_LIMIT)],
+        help_text="How far past its timeout a device may push an attempt's deadline (progress "
+        "extend_seconds); 0 = never.",
     )
     max_attempts = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     backoff_seconds = models.FloatField(default=1.0, help_text="First retry delay; doubles each attempt.")
@@ -87,6 +116,30 @@ class JobStep(models.Model):
     )
     abort_min_devices = models.PositiveIntegerField(
         default=0, help_text="... but only once at least this many devices have finished."
+    )
+    abort_criteria = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='Abort by cause: a list of {"cause": "failed"|"rejected"|"timed_out"|"any", '
+        '"threshold_percent": 0-100, "min_executed": N}.',
+    )
+    # Exponential rollout (AWS IoT Jobs' exponentialRate): rollout_per_minute is the base rate.
+    rollout_increment_factor = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(1.0), MaxValueValidator(MAX_INCREMENT_FACTOR)],
+        help_text="Multiply the rollout rate by this at each step-up; 1 = a fixed rate.",
+    )
+    rollout_increment_every = models.PositiveIntegerField(
+        default=0, help_text="Step the rate up after each this many devices (see rollout_increment_on)."
+    )
+    rollout_increment_on = models.CharField(
+        max_length=16,
+        choices=RolloutIncrementOn.choices,
+        default=RolloutIncrementOn.SUCCEEDED,
+        help_text="What counts towards a step-up: devices that succeeded, or that were notified.",
+    )
+    rollout_max_per_minute = models.PositiveIntegerField(
+        default=0, help_text="The ramp's maximum rate; 0 = no maximum."
     )
     success_percent = models.PositiveSmallIntegerField(
         default=100,
@@ -113,7 +166,47 @@ class JobStep(models.Model):
             return f"group {self.group.name}"
         if self.labels:
             return "labels " + ",".join(f"{k}={v}" for k, v in self.labels.items())
+        if self.selector:
+            return f"selector {self.selector}"
         return "-"
+
+
+class TemplateVersion(models.Model):
+    """What a template executed at one point: its steps and the template-level fields that
+    change a run (default priority), numbered 1..n per template. Never changed once written.
+
+    `steps` holds the same entries a run's plan does (jobs/services.py template_plan), so a
+    run of any version is started from its snapshot.
+    """
+
+    template = models.ForeignKey(JobTemplate, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    author = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+        help_text="Who saved the template; empty for the system (demo data, shell, a run's start).",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    default_priority = models.SmallIntegerField()
+    max_duration = models.PositiveIntegerField(null=True, blank=True)
+    steps = models.JSONField(default=list)
+
+    class Meta:
+        ordering = ["template", "-number"]
+        constraints = [
+            models.UniqueConstraint(fields=["template", "number"], name="templateversion_unique_number"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.template.name} v{self.number}"
+
+    def save(self, *args, **kwargs) -> None:
+        if not self._state.adding:
+            raise ValueError(f"{self} is immutable: a template's change is a new version")
+        super().save(*args, **kwargs)
 
 
 class RunStatus(models.TextChoices):
@@ -142,6 +235,7 @@ class Trigger(models.TextChoices):
     SCHEDULE = "schedule"
     MQTT = "mqtt"
     CLI = "cli"
+    CANVAS = "canvas"  # a device command link of a Celery chain, group or chord (jobs/canvas.py)
 
 
 class JobRun(models.Model):
@@ -155,6 +249,16 @@ class JobRun(models.Model):
         blank=True,
         editable=False,
         help_text="The template's steps as they were when the run started.",
+    )
+    template_version = models.ForeignKey(
+        TemplateVersion,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        editable=False,
+        related_name="runs",
+        help_text="The version the plan was taken from (empty: a canvas command, or a run "
+        "from before versions).",
     )
     status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING)
     cursor = models.PositiveSmallIntegerField(default=0)
@@ -172,6 +276,12 @@ class JobRun(models.Model):
         help_text="The failed run this run retries from its failed step.",
     )
     error = models.TextField(blank=True)
+    max_duration = models.PositiveIntegerField(
+        null=True, blank=True, editable=False, help_text="From its template version: seconds from start."
+    )
+    deadline = models.DateTimeField(
+        null=True, blank=True, editable=False, help_text="started_at + max_duration: then it times out."
+    )
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -199,6 +309,8 @@ class StepStatus(models.TextChoices):
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    # The device refused the command (protocol v1.1 `"status": "rejected"`): never retried.
+    REJECTED = "rejected"
     TIMED_OUT = "timed_out"
     CANCELED = "canceled"
     SKIPPED = "skipped"
@@ -207,6 +319,7 @@ class StepStatus(models.TextChoices):
 STEP_TERMINAL = (
     StepStatus.SUCCEEDED,
     StepStatus.FAILED,
+    StepStatus.REJECTED,
     StepStatus.TIMED_OUT,
     StepStatus.CANCELED,
     StepStatus.SKIPPED,
@@ -303,3 +416,22 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%H:%M:%S} {self.kind} {self.message}"[:120]
+
+
+class CanvasLink(models.Model):
+    """The Celery canvas a `device_command` link belongs to, parked until its run ends.
+
+    `request` holds what Celery's tracer would have used to go on after the link returned
+    (its task id, chain, callbacks, errbacks, chord and group): jobs/canvas.py clears them
+    from the task so that nothing goes on, and sends them on with the device's result (or
+    failure) once the run ended. `resumed_at` makes that happen once.
+    """
+
+    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="canvas_link", primary_key=True)
+    task_id = models.CharField(max_length=255, unique=True)
+    request = models.JSONField(default=dict)
+    created_at = models.DateTimeField(auto_now_add=True)
+    resumed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"canvas link {self.task_id}"

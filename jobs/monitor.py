@@ -21,7 +21,7 @@ from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from devices.lock_recovery import locks_maintain
-from iotqueue.metrics import MONITOR_ACTIONS, MetricsBatch
+from iotqueue.metrics import MetricsBatch
 from iotqueue.redis_conn import redis_connection, redis_key
 
 from .deadlines import Deadline, deadlines_claim, deadlines_set
@@ -29,6 +29,7 @@ from .engine.batch import inbox_apply
 from .engine.rollback import compensation_next
 from .engine.runs import run_continue
 from .inbox import inbox_reclaim
+from .metrics import MONITOR_ACTIONS
 from .models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .presence import step_resume
 from .services import RUN_ADVANCE_TASK
@@ -88,6 +89,14 @@ def reconcile() -> int:
     deadlines_set(
         {Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt): now for pk, status, attempt in overdue}
     )
+    # Runs past their max_duration whose `run` deadline was lost.
+    expired = [
+        str(pk)
+        for pk in JobRun.objects.filter(status=RunStatus.RUNNING, deadline__lt=now - grace).values_list(
+            "pk", flat=True
+        )[:CLAIM_BATCH]
+    ]
+    deadlines_set({Deadline("run", run_id, 0): now for run_id in expired})
     unstarted = list(
         JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=now - 3 * grace).values_list(
             "pk", flat=True
@@ -126,11 +135,12 @@ def reconcile() -> int:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
-    if overdue or unstarted or moved:
+    if overdue or unstarted or moved or expired:
         log.warning(
-            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs",
+            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d runs past max_duration",
             len(overdue),
             len(unstarted),
             moved,
+            len(expired),
         )
-    return len(overdue) + len(unstarted) + moved
+    return len(overdue) + len(unstarted) + moved + len(expired)

@@ -10,14 +10,16 @@ stale, unknown, foreign). The bridge itself reads and writes no row per reply.
 
 from __future__ import annotations
 
+from celery import current_app
 from django.conf import settings
 
 from devices import protocol
 from devices.models import Device
 from iotqueue.batching import Batcher
-from iotqueue.bridge import Handler
-from iotqueue.metrics import BRIDGE_MESSAGES, counter_buffer
+from iotqueue.bridge import BRIDGE_MESSAGES, Handler, ack_defer
+from iotqueue.metrics import counter_buffer
 
+from .current import JOBS_GET_TASK
 from .events import event_record
 from .inbox import replies_enqueue
 
@@ -40,7 +42,8 @@ def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> N
         event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
         return
     counter_buffer.add(BRIDGE_MESSAGES, "accepted")
-    reply_batcher.add([device, reply.as_task_payload()])
+    # The device's message is acknowledged to the broker once its group is in the inbox.
+    reply_batcher.add([device, reply.as_task_payload()], ack_defer())
 
 
 def reply_message_handle(topic: str, payload: bytes) -> None:
@@ -50,6 +53,24 @@ def reply_message_handle(topic: str, payload: bytes) -> None:
         return
     device, kind = parsed
     reply_accept(device, kind, topic, payload)
+
+
+def jobs_get_handle(topic: str, payload: bytes) -> None:
+    """Handler for P/<device>/jobs/get (protocol v1.1): a worker answers on jobs/current.
+
+    The bridge reads no row for it: the question goes to the `jobs.device_jobs_get` task
+    (by name, jobs/current.py); the payload (empty or an object) carries nothing else.
+    """
+    device = protocol.jobs_get_device(topic)
+    if device is None:
+        return
+    try:
+        protocol.jobs_get_parse(payload)
+    except protocol.ProtocolError as exc:
+        event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
+        return
+    counter_buffer.add(BRIDGE_MESSAGES, "accepted")
+    current_app.signature(JOBS_GET_TASK, args=(device,)).delay()
 
 
 def _legacy_handler(device: str) -> Handler:

@@ -59,12 +59,14 @@ def run_retry(*, run: JobRun, by: str, trigger: str = Trigger.REST) -> JobRun:
             start = _retry_start(run)
             retry = JobRun.objects.create(
                 template=run.template,
+                template_version_id=run.template_version_id,
                 parameters=run.parameters,
                 plan=run.plan,
                 cursor=start,
                 trigger=trigger,
                 triggered_by=by,
                 priority=run.priority,
+                max_duration=run.max_duration,
                 retry_of=run,
             )
             carried = _rows_carry(run, retry, start)
@@ -136,4 +138,4 @@ def _rows_carry(run: JobRun, retry: JobRun, start: int) -> int:
 
 
 def _is_fanout(spec: dict) -> bool:
-    return bool(spec.get("group") or spec.get("labels"))
+    return bool(spec.get("group") or spec.get("labels") or spec.get("selector"))

@@ -1,7 +1,9 @@
-"""Starting runs: the one entry point every trigger (REST, admin, beat, MQTT, CLI) calls."""
+"""Starting runs: the one entry point every trigger (REST, admin, beat, MQTT, CLI) calls;
+and recording a template's versions, which runs are started from."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -9,10 +11,13 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from devices.selectors import selector_parse
+
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
-from .models import JobRun, JobTemplate, Trigger
+from .models import JobRun, JobTemplate, TemplateVersion, Trigger
+from .versions import version_snapshot
 
 # The task that (re)starts a run at its cursor, by name (jobs/tasks.py sits above this
 # module); the monitor sends it for runs its sweep finds stuck.
@@ -33,12 +38,14 @@ PLAN_FIELDS = (
     "kind",
     "device_param",
     "labels",
+    "selector",
     "action",
     "args",
     "delay_seconds",
     "timeout_seconds",
     "ack_timeout_seconds",
     "queue_timeout_seconds",
+    "max_extend_seconds",
     "max_attempts",
     "backoff_seconds",
     "on_failure",
@@ -48,6 +55,11 @@ PLAN_FIELDS = (
     "max_in_flight",
     "abort_failure_percent",
     "abort_min_devices",
+    "abort_criteria",
+    "rollout_increment_factor",
+    "rollout_increment_every",
+    "rollout_increment_on",
+    "rollout_max_per_minute",
     "success_percent",
 )
 
@@ -63,6 +75,40 @@ def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
     return plan
 
 
+def template_snapshot(template: JobTemplate) -> dict[str, Any]:
+    """What a version of the template holds: its steps and the template-level fields a run
+    takes from it. Name and description are left out: they change no run."""
+    return {
+        "default_priority": template.default_priority,
+        "max_duration": template.max_duration,
+        "steps": template_plan(template),
+    }
+
+
+def template_version_record(*, template: JobTemplate, author: Any = None) -> TemplateVersion:
+    """The template's latest version, after recording the next one if the template changed.
+
+    Call it after the template's steps are written, in the same transaction. A save that
+    changes nothing a run executes (steps, default priority) records no version. Two callers
+    at once are serialized on the template's row, so numbers stay 1..n without gaps.
+    """
+    snapshot = template_snapshot(template)
+    latest = template.versions.order_by("-number").first()
+    if latest is not None and version_snapshot(latest) == snapshot:
+        return latest  # the common case (every run start) takes no lock
+    with transaction.atomic():
+        JobTemplate.objects.select_for_update().filter(pk=template.pk).first()
+        latest = template.versions.order_by("-number").first()
+        if latest is not None and version_snapshot(latest) == snapshot:
+            return latest
+        return TemplateVersion.objects.create(
+            template=template,
+            number=latest.number + 1 if latest else 1,
+            author=author if getattr(author, "pk", None) else None,
+            **snapshot,
+        )
+
+
 def plan_step_target(spec: dict[str, Any]) -> str:
     """What a plan entry addresses, for people: `lamp-2`, `group pumps`, `labels kind=pump`."""
     if spec.get("device"):
@@ -73,6 +119,8 @@ def plan_step_target(spec: dict[str, Any]) -> str:
         return f"group {spec['group']}"
     if spec.get("labels"):
         return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+    if spec.get("selector"):
+        return f"selector {spec['selector']}"
     return "-"
 
 
@@ -84,15 +132,21 @@ def run_start(
     triggered_by: str = "",
     priority: int | None = None,
     idempotency_key: str | None = None,
+    plan: list[dict[str, Any]] | None = None,
+    version: int | None = None,
 ) -> tuple[JobRun, bool]:
     """Create a run and enqueue its first step after commit; returns (run, created).
 
-    With an idempotency key that an earlier run already used, that run is returned and
-    nothing new starts.
+    The run executes a version of the template, recorded on the run: `version` by number,
+    or else the template as it is now (recorded as its next version first if it was changed
+    without one, e.g. in a shell). With an idempotency key that an earlier run already used,
+    that run is returned and nothing new starts. `plan` runs these steps instead (a canvas
+    command, jobs/canvas.py), filed under the template with no version.
     """
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise RunStartError("parameters", "parameters must be a JSON object")
+    _parameters_size_check(parameters)
     if priority is not None and not 0 <= priority <= 9:
         raise RunStartError("priority", "priority must be from 0 to 9")
     if idempotency_key:
@@ -102,19 +156,25 @@ def run_start(
             return existing, False
         if existing is not None:  # the key's window is over: it may start a new run
             JobRun.objects.filter(pk=existing.pk).update(idempotency_key=None)
-    plan = template_plan(template)
-    if not plan:
-        raise RunStartError("template", f"template {template.name!r} has no steps")
     try:
         with transaction.atomic():
+            template_version = None if plan else _run_version(template, version)
+            plan = plan or template_version.steps
+            if not plan:
+                raise RunStartError("template", f"template {template.name!r} has no steps")
+            default_priority = (
+                template_version.default_priority if template_version else template.default_priority
+            )
             run = JobRun.objects.create(
                 template=template,
+                template_version=template_version,
                 parameters=parameters,
                 plan=plan,
                 trigger=trigger,
                 triggered_by=triggered_by,
-                priority=template.default_priority if priority is None else priority,
+                priority=default_priority if priority is None else priority,
                 idempotency_key=idempotency_key or None,
+                max_duration=template_version.max_duration if template_version else None,
             )
             event_record("run.created", run=run, message=f"{trigger} by {triggered_by or 'anonymous'}")
             transaction.on_commit(lambda: _run_enqueue(run))
@@ -123,6 +183,26 @@ def run_start(
             return JobRun.objects.get(idempotency_key=idempotency_key), False
         raise
     return run, True
+
+
+def _run_version(template: JobTemplate, number: int | None) -> TemplateVersion:
+    """The version a run of the template executes: `number`, or the template as it is now."""
+    if number is None:
+        return template_version_record(template=template)
+    version = template.versions.filter(number=number).first()
+    if version is None:
+        raise RunStartError("template_version", f"template {template.name!r} has no version {number}")
+    return version
+
+
+def _parameters_size_check(parameters: dict[str, Any]) -> None:
+    size = len(json.dumps(parameters, separators=(",", ":"), ensure_ascii=False).encode())
+    limit = settings.IOTQUEUE_RUN_PARAMETERS_MAX_BYTES
+    if size > limit:
+        raise RunStartError(
+            "parameters",
+            f"parameters take {size} bytes as JSON, more than IOTQUEUE_RUN_PARAMETERS_MAX_BYTES ({limit})",
+        )
 
 
 def _run_enqueue(run: JobRun) -> None:
@@ -134,17 +214,33 @@ def run_start_each(
     template: JobTemplate,
     group: str = "",
     labels: dict[str, str] | None = None,
+    selector: str = "",
     parameters: dict[str, Any] | None = None,
     **options: Any,
 ) -> list[JobRun]:
     """One run of the template per device of a group / label selector ("for each device").
 
     Each run gets the device's name as parameter `device`; steps address it with
-    device_param "device". The devices are those enabled when the trigger fires.
+    device_param "device". `labels` and `selector` (devices/selectors.py) must both match.
+    The devices are those enabled when the trigger fires. An empty
+    selector (it would match every device) is refused.
     """
-    devices = fanout_devices({"group": group, "labels": labels or {}})
+    try:
+        requirements = selector_parse(selector)
+    except ValueError as exc:
+        raise RunStartError("for_each", f"not a label selector: {exc}") from None
+    if not group and not labels and not requirements:
+        raise RunStartError("for_each", "name a group or at least one label; an empty selector is refused")
+    devices = fanout_devices({"group": group, "labels": labels or {}, "selector": selector})
     if not devices:
         raise RunStartError("for_each", "no enabled device matches")
+    limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
+    if len(devices) > limit:
+        raise RunStartError(
+            "for_each",
+            f"{len(devices)} devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES ({limit}); "
+            "a fan-out step rolls out to a fleet at a set pace",
+        )
     key = options.pop("idempotency_key", None)
     return [
         run_start(

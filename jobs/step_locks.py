@@ -44,6 +44,8 @@ def step_lease_expired(device: str, grant: Grant) -> None:
     (a step that never dispatched, a locked Celery task) is recorded and passed on."""
     step_id = holder_step_id(grant.holder)
     step_run = StepRun.objects.select_related("run", "device").filter(pk=step_id).first()
+    if step_run is not None and step_run.device_name != device:
+        step_run = None  # the holder's row is gone and its id now names another step
     if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == grant.fence:
         attempt_end_continue(
             step_run=step_run,

@@ -7,15 +7,16 @@ compare-and-sets on (step, attempt, command id, fence).
 import logging
 
 from celery import shared_task
+from celery.exceptions import Ignore
 from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
 from devices.protocol import Reply
 
-from . import cancel, inbox, monitor, presence, retention, services
+from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, dispatch, due, reply
+from .engine import batch, dispatch, due, reply, taskstep
 from .models import JobRun
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,40 @@ def inbox_drain_task(self, items: list[list] | None = None, helper: bool = False
         dispatch.commands_settle()
 
 
+@shared_task(bind=True, name=canvas.PARK_TASK, ignore_result=False)
+def device_command_task(self, previous=None, *, device: str, action: str, args: dict, options: dict) -> None:
+    """A device command link of a Celery canvas (jobs/canvas.py): parks the canvas in a run.
+
+    Ends with Ignore: Celery then stores no result and sends nothing on for this task id
+    now; the run's end does (jobs.canvas_resume). Its results are not ignored (the project
+    default, CELERY_TASK_IGNORE_RESULT), or the caller's AsyncResult.get() would return None
+    at once instead of waiting for the device's result.
+    """
+    canvas.canvas_park(
+        self.request, previous=previous, device=device, action=action, args=args, options=options
+    )
+    raise Ignore()
+
+
+@shared_task(
+    name=canvas.RESUME_TASK,
+    autoretry_for=(DatabaseError, RedisError),
+    default_retry_delay=0.5,
+    max_retries=20,
+)
+def canvas_resume_task(run_id: str) -> None:
+    canvas.canvas_resume(run_id)
+
+
 @shared_task(name="jobs.step_reply")
 def step_reply_task(device: str, payload: dict) -> None:
     reply.step_reply(device=device, reply=Reply(**payload))
+
+
+@shared_task(name=taskstep.TASK_STEP_RUN_TASK)
+def task_step_run_task(step_run_id: int, command_id: str) -> None:
+    """One attempt of a template's task step: the registered task's body, its outcome as `done`."""
+    taskstep.task_step_execute(step_run_id=step_run_id, command_id=command_id)
 
 
 @shared_task(name=monitor.DEADLINES_TASK)
@@ -68,12 +100,17 @@ def step_deadlines_task(members: list[str]) -> None:
             log.exception("deadline %s failed; the database sweep will find its step again", member)
 
 
-@shared_task(name="jobs.monitor_tick")
+@shared_task(name=beat.MONITOR_TASK)
 def monitor_tick_task() -> dict:
     try:
         return monitor.monitor_tick()
     finally:
         dispatch.commands_settle()
+
+
+@shared_task(name=current.JOBS_GET_TASK)  # sent by the bridge's jobs/get handler
+def device_jobs_get_task(device: str) -> None:
+    current.device_jobs_answer(device=device)
 
 
 @shared_task(name="jobs.device_presence")  # sent by jobs/apps.py
@@ -91,6 +128,6 @@ def run_cancel_task(run_id: str, by: str) -> None:
         cancel.run_cancel(run=run, by=by)
 
 
-@shared_task(name="jobs.runs_prune")
+@shared_task(name=beat.RETENTION_TASK)
 def runs_prune_task() -> int:
     return retention.runs_prune()

@@ -38,12 +38,13 @@ ATTENTION_KINDS = frozenset(
         "message.dropped",
         "step.device_offline",
         "step.publish_failed",
+        "step.extend_refused",
         "step.resent",
         "lock.force_released",
         "lock.reclaimed",
     }
 )
-FAILURE_SUFFIXES = (".failed", ".timed_out")
+FAILURE_SUFFIXES = (".failed", ".rejected", ".timed_out")
 
 
 @dataclass(frozen=True)

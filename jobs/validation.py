@@ -1,26 +1,33 @@
 """Template validation: what an operator gets told when saving a template, field by field.
 
 Checked on save (admin and REST), so a run never discovers a typo at 02:00: the target is
-exactly one of device / device_param / group / labels; actions are topic-safe; args are
+exactly one of device / device_param / group / labels / selector (a label selector that
+parses); actions are topic-safe; args are
 JSON objects whose {{ references }} are well-formed and point at run parameters or at
-earlier steps (by position or name), never at the step itself or a later one.
+earlier steps (by position or name), never at the step itself or a later one; a task step
+names a registered step task (jobs/tasksteps.py), so a template cannot run any other.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from devices.protocol import ACTION_RE
+from django.conf import settings
+
+from devices.protocol import ACTION_RE, EXTEND_SECONDS_LIMIT
+from devices.selectors import selector_parse
 
 from . import templating
-from .choices import StepKind
+from .choices import MAX_INCREMENT_FACTOR, AbortCause, StepKind
+from .tasksteps import step_task_registered
 
 # What an args reference may start with.
 REFERENCE_ROOTS = ("params", "steps", "run", "device")
 
 
 def _target_count(step) -> int:
-    return sum(bool(x) for x in (step.device_id, step.device_param, step.group_id, step.labels))
+    targets = (step.device_id, step.device_param, step.group_id, step.labels, getattr(step, "selector", ""))
+    return sum(bool(x) for x in targets)
 
 
 def step_errors(step) -> dict[str, str]:
@@ -33,18 +40,33 @@ def step_errors(step) -> dict[str, str]:
         if not step.delay_seconds or step.delay_seconds <= 0:
             errors["delay_seconds"] = "A delay step needs delay_seconds > 0."
         return errors
-    if targets != 1:
-        errors["device"] = "Choose exactly one target: device, device_param, group or labels."
-    if step.kind == StepKind.WAIT_ONLINE and (step.group_id or step.labels):
+    extend = getattr(step, "max_extend_seconds", 0) or 0
+    if not 0 <= extend <= EXTEND_SECONDS_LIMIT:
+        errors["max_extend_seconds"] = f"Give 0 to {EXTEND_SECONDS_LIMIT} seconds (a week at most)."
+    if step.kind == StepKind.TASK:
+        errors.update(_task_step_errors(step))
+    elif targets != 1:
+        errors["device"] = "Choose exactly one target: device, device_param, group, labels or selector."
+    if step.kind == StepKind.WAIT_ONLINE and (step.group_id or step.labels or step.selector):
         errors["group"] = "wait_online waits for one device, not a group."
     if step.kind == StepKind.COMMAND and not ACTION_RE.match(step.action or ""):
         errors["action"] = "Use letters, digits and . _ / - only."
-    if step.compensation_action and not ACTION_RE.match(step.compensation_action):
+    if (
+        step.kind != StepKind.TASK  # a task's compensation is a task name, checked above
+        and step.compensation_action
+        and not ACTION_RE.match(step.compensation_action)
+    ):
         errors["compensation_action"] = "Use letters, digits and . _ / - only."
     if step.labels and (
         not isinstance(step.labels, dict) or not all(isinstance(v, str) for v in step.labels.values())
     ):
         errors["labels"] = 'Labels must be a JSON object of strings, e.g. {"kind": "pump"}.'
+    if step.selector:
+        try:
+            selector_parse(step.selector)
+        except ValueError as exc:
+            errors["selector"] = f"Not a label selector: {exc}."
+    errors.update(rollout_errors(step))
     for field in ("args", "compensation_args"):
         value = getattr(step, field)
         if not isinstance(value, dict):
@@ -58,6 +80,26 @@ def step_errors(step) -> dict[str, str]:
                     )
         except templating.TemplateError as exc:
             errors[field] = str(exc)
+    return errors
+
+
+def _task_step_errors(step) -> dict[str, str]:
+    """A task step: a registered task (and compensation task), on one device or none."""
+    errors: dict[str, str] = {}
+    if step.group_id or step.labels or step.selector or _target_count(step) > 1:
+        errors["device"] = "A task step runs once: give a device, a device_param, or no target."
+    for field in ("action", "compensation_action"):
+        name = getattr(step, field) or ""
+        if (name or field == "action") and not step_task_registered(name):
+            errors[field] = f"{name!r} is not a registered step task (decorate it with @step_task)."
+    # A message running longer than the broker's visibility timeout is handed out again
+    # (acks_late): the task would run twice at once.
+    visibility = settings.CELERY_BROKER_TRANSPORT_OPTIONS.get("visibility_timeout")
+    if visibility and step.timeout_seconds >= visibility:
+        errors["timeout_seconds"] = (
+            f"A task step must end within the broker's visibility timeout ({visibility}s, "
+            "CELERY_VISIBILITY_TIMEOUT)."
+        )
     return errors
 
 
@@ -101,4 +143,52 @@ def _step_reference_problem(value, index: int, ordered: list, names: dict[str, i
             return f"{{{{ {ref} }}}}: {target!r} is not an earlier step (use its index from 0 or its name)"
         if len(parts) > 2 and parts[2] != "result":
             return f"{{{{ {ref} }}}}: a step reference reads its result, e.g. steps.{parts[1]}.result.serial"
+    return ""
+
+
+# Criteria a step may have: one per cause and a few thresholds each is plenty; the bound
+# keeps the check a row end runs small.
+ABORT_CRITERIA_MAX = 8
+ABORT_CRITERION_KEYS = {"cause", "threshold_percent", "min_executed"}
+
+
+def rollout_errors(step) -> dict[str, str]:
+    """A fan-out step's ramp (exponential rollout) and abort criteria, keyed by field."""
+    errors: dict[str, str] = {}
+    problem = abort_criteria_problem(getattr(step, "abort_criteria", []))
+    if problem:
+        errors["abort_criteria"] = problem
+    factor = getattr(step, "rollout_increment_factor", 1.0)
+    if not isinstance(factor, int | float) or not 1 <= factor <= MAX_INCREMENT_FACTOR:
+        errors["rollout_increment_factor"] = f"Give 1 (a fixed rate) to {MAX_INCREMENT_FACTOR:g}."
+    elif factor > 1:
+        if not step.rollout_per_minute:
+            errors["rollout_per_minute"] = "A ramp starts from a base rate: give rollout_per_minute > 0."
+        if not getattr(step, "rollout_increment_every", 0):
+            errors["rollout_increment_every"] = "A ramp steps up after a number of devices: give it (> 0)."
+        maximum = getattr(step, "rollout_max_per_minute", 0)
+        if maximum and maximum < step.rollout_per_minute:
+            errors["rollout_max_per_minute"] = "The maximum rate is at least rollout_per_minute (or 0)."
+    return errors
+
+
+def abort_criteria_problem(criteria: Any) -> str:
+    """What is wrong with a step's abort criteria, or "" (a list of criterion objects)."""
+    if not isinstance(criteria, list):
+        return "Must be a JSON list of criteria."
+    if len(criteria) > ABORT_CRITERIA_MAX:
+        return f"At most {ABORT_CRITERIA_MAX} criteria."
+    causes = ", ".join(AbortCause.values)
+    for number, criterion in enumerate(criteria):
+        where = f"criterion {number}"
+        if not isinstance(criterion, dict) or set(criterion) - ABORT_CRITERION_KEYS:
+            return f'{where}: use {{"cause": …, "threshold_percent": …, "min_executed": …}} only.'
+        if criterion.get("cause") not in AbortCause.values:
+            return f"{where}: cause is one of {causes}."
+        percent = criterion.get("threshold_percent")
+        if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
+            return f"{where}: threshold_percent is a whole number from 0 to 100."
+        minimum = criterion.get("min_executed", 0)
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            return f"{where}: min_executed is a whole number, 0 or more."
     return ""

@@ -3,6 +3,9 @@
 Servers are started on free ports (or taken from REDIS_URL / MQTT_URL when set, as in
 the PostgreSQL + Mosquitto leg of .ci/run). Each session uses its own topic prefix,
 Redis key prefix and Celery queue, so it never sees another user's traffic.
+
+Two tiers: tests/unit/ tests logic module by module with no server (`make test-fast`);
+every other test is marked `stack` and gets the servers (`make test` runs both).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from django.db import connection
 from django.test import TransactionTestCase
 
 from devices.locks import lock_epoch_exists
+from devtools.processes import Supervisor, beat_argv, manage_argv, worker_argv
+from devtools.servers import EmbeddedServer, mqtt_broker_start, redis_start
 from iotqueue import celery_app
+from iotqueue.dynsec import control
 from iotqueue.mqtt import publisher
-from iotqueue.processes import Supervisor, beat_argv, manage_argv, worker_argv
 from iotqueue.redis_conn import redis_connection
-from iotqueue.servers import EmbeddedServer, mqtt_broker_start, redis_start
 
 # Flushing between transactional tests TRUNCATEs every table while the worker and bridge
 # may still be finishing a test's runs; on PostgreSQL the two can deadlock, and PostgreSQL
@@ -84,28 +88,64 @@ def services(tmp_path_factory) -> Iterator[Services]:
         redis = redis_start(workdir)
         redis_url = redis.url
     mqtt_url = os.environ.get("MQTT_URL")
+    mqtt_auth = os.environ.get("IOTQUEUE_MQTT_AUTH", settings.IOTQUEUE_MQTT_AUTH)
     if not mqtt_url:
         broker = mqtt_broker_start(workdir)
-        mqtt_url = broker.url
+        mqtt_url, mqtt_auth = broker.url, broker.auth
     namespace = f"iqt{uuid.uuid4().hex[:8]}"
     settings.REDIS_URL = settings.CELERY_BROKER_URL = redis_url
     settings.MQTT_URL = mqtt_url
+    settings.IOTQUEUE_MQTT_AUTH = mqtt_auth
     settings.IOTQUEUE_TOPIC_PREFIX = namespace
     settings.IOTQUEUE_REDIS_KEY_PREFIX = namespace
-    celery_app.conf.broker_url = redis_url
+    celery_app.conf.broker_url = celery_app.conf.result_backend = redis_url
     celery_app.conf.task_default_queue = namespace
     redis_connection.cache_clear()
     publisher.close()
+    control.close()
     yield Services(redis_url, mqtt_url, redis, broker, namespace)
     publisher.close()
+    control.close()
     for server in (broker, redis):
         if server is not None:
             server.stop()
 
 
+UNIT_TESTS = Path(__file__).parent / "unit"
+
+
+# First, so that `-m "not stack"` (applied by pytest's own hook) sees the marks.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test outside tests/unit/ needs the stack: mark it so (`-m "not stack"` is the fast tier)."""
+    for item in items:
+        if not item.path.is_relative_to(UNIT_TESTS):
+            item.add_marker(pytest.mark.stack)
+
+
+def _needs_stack(request: pytest.FixtureRequest) -> bool:
+    return request.node.get_closest_marker("stack") is not None
+
+
 @pytest.fixture(autouse=True)
-def _isolated_services(services):
-    """Every test runs against the session's own servers and namespace."""
+def _isolated_services(request: pytest.FixtureRequest) -> None:
+    """Every test marked `stack` runs against the session's own servers and namespace; a
+    unit test starts none."""
+    if _needs_stack(request):
+        request.getfixturevalue("services")
+
+
+@pytest.fixture(autouse=True)
+def _api_throttles_reset(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test starts with the API's rate limits unused: their counts stay in Redis for a
+    minute, and every test client comes from 127.0.0.1. (Unit tests never reach Redis.)"""
+    yield
+    if not _needs_stack(request):
+        return
+    redis = redis_connection()
+    counts = list(redis.scan_iter(f"{settings.IOTQUEUE_REDIS_KEY_PREFIX}:*:throttle_*"))
+    if counts:
+        redis.delete(*counts)
 
 
 def database_url() -> str:
@@ -146,6 +186,9 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             "DATABASE_URL": database_url(),
             "REDIS_URL": services.redis_url,
             "MQTT_URL": services.mqtt_url,
+            "IOTQUEUE_MQTT_AUTH": settings.IOTQUEUE_MQTT_AUTH,
+            # The bridge's persistent session is this suite's own, even on a shared broker.
+            "MQTT_BRIDGE_CLIENT_ID": f"{services.namespace}-bridge",
             "IOTQUEUE_TOPIC_PREFIX": services.namespace,
             "IOTQUEUE_REDIS_KEY_PREFIX": services.namespace,
             "CELERY_TASK_DEFAULT_QUEUE": services.namespace,
@@ -154,12 +197,19 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             # Rescue of lost work within seconds, not the production half-minute.
             "IOTQUEUE_RECONCILE_SECONDS": "3",
             "IOTQUEUE_HANDOFF_LEASE_SECONDS": "5",
+            # Webhook retries in fractions of a second, and a webhook disabled after two
+            # deliveries failed for good (tests/webhooks).
+            "IOTQUEUE_WEBHOOK_BACKOFF_SECONDS": "0.2",
+            "IOTQUEUE_WEBHOOK_MAX_ATTEMPTS": "3",
+            "IOTQUEUE_WEBHOOK_DISABLE_AFTER": "2",
+            "IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS": "2",
         }
     logs = tmp_path_factory.mktemp("logs")
     supervisor = Supervisor(logs, env)
     try:
         # Test-only tasks (tests/devices/lock_tasks.py) never ship in the app's own modules.
-        supervisor.start("worker", worker_argv(concurrency=2, include=["tests.devices.lock_tasks"]))
+        test_tasks = ["tests.devices.lock_tasks", "tests.jobs.canvas_tasks", "tests.jobs.step_tasks"]
+        supervisor.start("worker", worker_argv(concurrency=2, include=test_tasks))
         supervisor.start("bridge", manage_argv("bridge"))
         # A file-based schedule: the database one would be flushed between tests.
         supervisor.start("beat", beat_argv(logs, scheduler="celery.beat:PersistentScheduler"), restart=True)
@@ -175,7 +225,7 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
 @pytest.fixture
 def simulator(services) -> Iterator[Callable[..., object]]:
     """Start simulated devices (real MQTT clients): simulator({name: DeviceBehaviour})."""
-    from devices.simulator import Simulator
+    from devtools.simulator import Simulator
 
     started = []
 
@@ -192,13 +242,20 @@ def simulator(services) -> Iterator[Callable[..., object]]:
 
 @pytest.fixture
 def manual_device(services):
-    """manual_device(name) -> a ManualDevice subscribed to that device's commands."""
+    """manual_device(name) -> a ManualDevice subscribed to that device's commands.
+
+    With a broker whose identities iotqueue manages, the device logs in as itself with a
+    password issued for it, so its ACL is what lets it work.
+    """
+    from devices.credentials import device_password_issue, managed
+    from devices.models import Device
     from tests.mqtt_device import ManualDevice
 
     made = []
 
     def make(name: str) -> ManualDevice:
-        device = ManualDevice(name, services.mqtt_url)
+        password = device_password_issue(Device.objects.get(name=name)) if managed() else None
+        device = ManualDevice(name, services.mqtt_url, password=password)
         made.append(device)
         return device
 

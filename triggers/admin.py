@@ -5,9 +5,24 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import OuterRef, Subquery
 
+from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
+from jobs.permissions import user_may_start_runs
+
 from .models import Schedule, ScheduledRun, TriggerRule
 from .schedules import schedule_save
 from .validation import rule_errors, schedule_errors
+
+
+class StartsRunsAdmin(admin.ModelAdmin):
+    formfield_overrides = JSON_FORMFIELD_OVERRIDES
+    """Adding or changing what starts runs needs the permission to start runs; without it
+    the pages are read-only (with the view permission) and the enable action is hidden."""
+
+    def has_add_permission(self, request) -> bool:
+        return super().has_add_permission(request) and user_may_start_runs(request.user)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return super().has_change_permission(request, obj) and user_may_start_runs(request.user)
 
 
 class ScheduleForm(forms.ModelForm):
@@ -41,7 +56,7 @@ class ScheduleForm(forms.ModelForm):
 
 
 @admin.register(Schedule)
-class ScheduleAdmin(admin.ModelAdmin):
+class ScheduleAdmin(StartsRunsAdmin):
     form = ScheduleForm
     list_display = ["name", "template", "when", "enabled", "overlap", "last_run_status", "last_run_at"]
     list_filter = ["enabled", "overlap", "template"]
@@ -96,7 +111,17 @@ class ScheduleAdmin(admin.ModelAdmin):
 class TriggerRuleForm(forms.ModelForm):
     class Meta:
         model = TriggerRule
-        fields = ["name", "topic_filter", "template", "parameters", "idempotency_key", "priority", "enabled"]
+        fields = [
+            "name",
+            "topic_filter",
+            "template",
+            "parameters",
+            "idempotency_key",
+            "priority",
+            "enabled",
+            "max_runs_per_minute",
+            "max_active_runs",
+        ]
 
     def clean(self) -> dict:
         data = super().clean()
@@ -111,7 +136,7 @@ class TriggerRuleForm(forms.ModelForm):
 
 
 @admin.register(TriggerRule)
-class TriggerRuleAdmin(admin.ModelAdmin):
+class TriggerRuleAdmin(StartsRunsAdmin):
     form = TriggerRuleForm
     list_display = ["name", "topic_filter", "template", "enabled", "priority", "updated_at"]
     list_filter = ["enabled", "template"]

@@ -4,9 +4,14 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django_celery_beat.models import PeriodicTask
 
+from iotqueue.names import url_name_validator
 from jobs.models import JobRun, JobTemplate
 
 PRIORITY_VALIDATORS = [MinValueValidator(0), MaxValueValidator(9)]
+# A new rule's limits: a sensor reporting once a second stays within them, a flood (or a
+# publisher in a loop) is cut off after a minute's worth of runs. Raise them per rule.
+RULE_RUNS_PER_MINUTE_DEFAULT = 60
+RULE_ACTIVE_RUNS_DEFAULT = 10
 
 
 class Overlap(models.TextChoices):
@@ -23,7 +28,7 @@ class Schedule(models.Model):
     policy and starts the run.
     """
 
-    name = models.CharField(max_length=128, unique=True)
+    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
     template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="schedules")
     parameters = models.JSONField(default=dict, blank=True)
     priority = models.SmallIntegerField(
@@ -88,7 +93,7 @@ class TriggerRule(models.Model):
     docs/triggers.md.
     """
 
-    name = models.CharField(max_length=128, unique=True)
+    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
     topic_filter = models.CharField(
         max_length=512, help_text="absolute MQTT filter, + and # allowed, e.g. site/+/door/+/opened"
     )
@@ -105,6 +110,16 @@ class TriggerRule(models.Model):
         null=True, blank=True, validators=PRIORITY_VALIDATORS, help_text="empty: the template's default"
     )
     enabled = models.BooleanField(default=True)
+    max_runs_per_minute = models.PositiveIntegerField(
+        default=RULE_RUNS_PER_MINUTE_DEFAULT,
+        validators=[MinValueValidator(1)],
+        help_text="matching messages acted on in any 60 s (all bridges together); more are dropped",
+    )
+    max_active_runs = models.PositiveIntegerField(
+        default=RULE_ACTIVE_RUNS_DEFAULT,
+        validators=[MinValueValidator(1)],
+        help_text="runs of this rule that have not ended; a message beyond it is dropped",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -113,3 +128,18 @@ class TriggerRule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class TriggeredRun(models.Model):
+    """Which rule started a run; the rule's cap on active runs counts these."""
+
+    rule = models.ForeignKey(TriggerRule, on_delete=models.CASCADE, related_name="triggered_runs")
+    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="triggered_run")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["rule", "-id"], name="triggeredrun_rule_id")]
+
+    def __str__(self) -> str:
+        return f"{self.rule.name} run {self.run_id}"

@@ -3,16 +3,19 @@
 The bridge re-reads `rule_topics()` every couple of seconds and subscribes to each enabled
 rule's filter. A message is checked against every enabled rule (so overlapping filters
 each start their own run) and dropped, with a `message.dropped` event, when it is not a
-JSON object, lacks a field a rule references, or the run cannot start.
+JSON object, lacks a field a rule references, is over the rule's rate or active-run limit
+(triggers/limits.py), or the run cannot start.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from django.db import transaction
 
 from devices import protocol
 from iotqueue.bridge import Handler
@@ -21,7 +24,11 @@ from jobs.models import JobRun, Trigger
 from jobs.services import RunStartError, run_start
 from jobs.templating import TemplateError, render
 
-from .models import TriggerRule
+from .limits import RateVerdict, rule_active_runs, rule_rate_admit
+from .models import TriggeredRun, TriggerRule
+from .validation import command_filters, command_overlap_error, topic_filter_error
+
+log = logging.getLogger(__name__)
 
 # JobRun.idempotency_key's length; longer rendered keys are hashed to fit.
 IDEMPOTENCY_KEY_MAX = 200
@@ -33,14 +40,34 @@ def rule_topics() -> dict[str, Handler]:
     Every handler sees all enabled rules (read once per refresh, not per message): the
     bridge hands a message to one handler even when several filters match it.
     """
-    rules = list(TriggerRule.objects.filter(enabled=True).select_related("template"))
+    commands = command_filters()
+    rules = [
+        rule
+        for rule in TriggerRule.objects.filter(enabled=True).select_related("template")
+        if _listening_allowed(rule, commands)
+    ]
     handler = functools.partial(trigger_message_handle, rules=rules)
     return {rule.topic_filter: handler for rule in rules}
+
+
+# (rule id, filter) pairs already logged as refused, so a refresh every 2 s logs each once.
+_refusals_logged: set[tuple[int, str]] = set()
+
+
+def _listening_allowed(rule: TriggerRule, commands: list[str]) -> bool:
+    """Refuse, at run time too, a filter that validation would refuse now: a rule saved
+    before the check existed, or a device given a legacy command topic the rule matches."""
+    problem = topic_filter_error(rule.topic_filter) or command_overlap_error(rule.topic_filter, commands)
+    if problem and (rule.pk, rule.topic_filter) not in _refusals_logged:
+        _refusals_logged.add((rule.pk, rule.topic_filter))
+        log.error("trigger rule %s is not subscribed: %s", rule.name, problem)
+    return problem is None
 
 
 def trigger_message_handle(topic: str, payload: bytes, *, rules: list[TriggerRule]) -> None:
     """Bridge handler: start one run per enabled rule whose filter matches `topic`."""
     matching = [rule for rule in rules if mqtt.topic_matches_sub(rule.topic_filter, topic)]
+    matching = [rule for rule in matching if _rate_admitted(rule, topic)]
     if not matching:
         return
     try:
@@ -61,21 +88,52 @@ def trigger_rule_fire(*, rule: TriggerRule, topic: str, message: dict[str, Any])
     try:
         parameters = render(rule.parameters, context)
         key = _idempotency_key(rule, context) if rule.idempotency_key else None
-        run, _ = run_start(
-            template=rule.template,
-            parameters=parameters,
-            trigger=Trigger.MQTT,
-            triggered_by=f"mqtt {rule.name} {topic}"[:150],
-            priority=rule.priority,
-            idempotency_key=key,
-        )
+        with transaction.atomic():
+            return _rule_run_start(rule, topic, parameters, key)
     except TemplateError as exc:
         _message_drop(rule, topic, str(exc))
         return None
     except RunStartError as exc:
         _message_drop(rule, topic, f"{exc.field}: {exc}")
         return None
+
+
+def _rule_run_start(rule: TriggerRule, topic: str, parameters: dict, key: str | None) -> JobRun | None:
+    """Start the run unless the rule is at its cap of active runs (call in a transaction).
+
+    The rule's row is locked first, so bridge replicas deciding for one rule take turns and
+    the cap holds exactly (on PostgreSQL; SQLite serializes every write anyway).
+    """
+    if not TriggerRule.objects.select_for_update().filter(pk=rule.pk).exists():
+        return None  # deleted since the bridge read it
+    active = rule_active_runs(rule)
+    if active >= rule.max_active_runs:
+        reason = f"{active} of its runs have not ended (max_active_runs {rule.max_active_runs})"
+        _message_drop(rule, topic, reason, limit="max_active_runs")
+        return None
+    run, created = run_start(
+        template=rule.template,
+        parameters=parameters,
+        trigger=Trigger.MQTT,
+        triggered_by=f"mqtt {rule.name} {topic}"[:150],
+        priority=rule.priority,
+        idempotency_key=key,
+    )
+    if created:
+        TriggeredRun.objects.create(rule=rule, run=run)
     return run
+
+
+def _rate_admitted(rule: TriggerRule, topic: str) -> bool:
+    """The rule's rate window admits the message; the first drop of a window is recorded."""
+    verdict = rule_rate_admit(rule)
+    if verdict == RateVerdict.DROPPED_FIRST:
+        reason = (
+            f"over max_runs_per_minute {rule.max_runs_per_minute}; "
+            "further messages are dropped until the minute's window has room (reported once a minute)"
+        )
+        _message_drop(rule, topic, reason, limit="max_runs_per_minute")
+    return verdict == RateVerdict.ADMITTED
 
 
 def _idempotency_key(rule: TriggerRule, context: dict[str, Any]) -> str:
@@ -88,8 +146,13 @@ def _idempotency_key(rule: TriggerRule, context: dict[str, Any]) -> str:
     return key
 
 
-def _message_drop(rule: TriggerRule, topic: str, reason: str) -> None:
+def _message_drop(rule: TriggerRule, topic: str, reason: str, **data: str) -> None:
     # The rule's name leads the message so the admin's event search finds it.
     event_record(
-        "message.dropped", device="", message=f"rule {rule.name}: {reason}", topic=topic, rule=rule.name
+        "message.dropped",
+        device="",
+        message=f"rule {rule.name}: {reason}",
+        topic=topic,
+        rule=rule.name,
+        **data,
     )

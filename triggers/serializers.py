@@ -7,6 +7,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from iotqueue.api import BoundedJSONField
 from jobs.models import JobRun, JobTemplate
 
 from .models import Schedule, ScheduledRun, TriggerRule
@@ -30,7 +31,7 @@ class ScheduleSerializer(serializers.ModelSerializer):
     """A schedule: `interval_seconds`, or `crontab` ("0 2 * * *") with a `timezone`."""
 
     template = serializers.SlugRelatedField(slug_field="name", queryset=JobTemplate.objects.all())
-    parameters = serializers.JSONField(required=False, default=dict)
+    parameters = BoundedJSONField(required=False, default=dict)
     # null or "" clears it, e.g. when a PATCH switches a schedule to an interval.
     crontab = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=200)
     last_run = serializers.SerializerMethodField()
@@ -93,7 +94,7 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
     """A rule: MQTT `topic_filter` -> `template`, `parameters` may use {{ topic.N }} / {{ message.x }}."""
 
     template = serializers.SlugRelatedField(slug_field="name", queryset=JobTemplate.objects.all())
-    parameters = serializers.JSONField(required=False, default=dict)
+    parameters = BoundedJSONField(required=False, default=dict)
 
     class Meta:
         model = TriggerRule
@@ -106,6 +107,8 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
             "idempotency_key",
             "priority",
             "enabled",
+            "max_runs_per_minute",
+            "max_active_runs",
             "created_at",
             "updated_at",
         ]

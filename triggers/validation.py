@@ -10,6 +10,9 @@ from celery.schedules import crontab as celery_crontab
 from django.core.exceptions import ValidationError
 from django_celery_beat.validators import crontab_validator
 
+from devices import protocol
+from devices.models import Device
+from iotqueue.topics import filters_overlap
 from jobs.templating import TemplateError, references
 
 # Cron order, as in crontab(5) and django-celery-beat's CrontabSchedule.
@@ -80,6 +83,26 @@ def topic_filter_error(topic_filter: str) -> str | None:
             return "# may only be the last level"
     if topic_filter.startswith("$share/"):
         return "give the plain filter; the bridge adds $share/<group>/ itself"
+    if topic_filter.startswith("$"):
+        return "topics starting with $ ($SYS, $CONTROL) are the broker's own, not device messages"
+    return None
+
+
+def command_filters() -> list[str]:
+    """Filters covering every topic the workers publish commands on.
+
+    The standard space P/<device>/cmd/<action> (an action may span levels) and each legacy
+    device's fixed command topic.
+    """
+    overrides = Device.objects.exclude(command_topic="").values_list("command_topic", flat=True)
+    return [protocol.command_topic("+", "#"), *sorted(set(overrides))]
+
+
+def command_overlap_error(topic_filter: str, commands: list[str]) -> str | None:
+    """A rule matching the workers' own commands would start a run per command: a loop."""
+    for command in commands:
+        if filters_overlap(topic_filter, command):
+            return f"the filter matches device command topics ({command}); a rule may not listen to commands"
     return None
 
 
@@ -104,7 +127,7 @@ def rule_reference_error(value: Any, topic_filter: str) -> str | None:
 
 def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> dict[str, str]:
     errors: dict[str, str] = {}
-    problem = topic_filter_error(topic_filter)
+    problem = topic_filter_error(topic_filter) or command_overlap_error(topic_filter, command_filters())
     if problem:
         return {"topic_filter": problem}
     if not isinstance(parameters, dict):

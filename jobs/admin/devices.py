@@ -22,7 +22,7 @@ admin.site.unregister(Device)
 
 @admin.register(Device)
 class DeviceWithLockAdmin(DeviceAdmin):
-    actions = ["force_release_lock"]
+    actions = [*DeviceAdmin.actions, "force_release_lock"]
 
     def lock_holder_urls(self, holders: list[str]) -> dict[str, str]:
         """Step holders link to their run's page (one query for the whole page)."""

@@ -14,13 +14,14 @@ from .display import run_url, status_badge
 from .paging import EstimatedCountPaginator
 
 # The kinds the run page colours as failures (timeline.FAILURE_SUFFIXES: ".failed",
-# ".timed_out"), as the engine records them: `run.<status>` and `step.<status>`, and the
+# ".rejected", ".timed_out"), as the engine records them: `run.<status>` and `step.<status>`, and the
 # scheduler's. Listed rather than matched by suffix: `kind IN (...)` reads the kind index,
 # `kind LIKE '%.failed'` reads every event (600 ms with 3 million).
 FAILURE_KINDS = (
     "run.failed",
     "run.timed_out",
     "step.failed",
+    "step.rejected",
     "step.timed_out",
     "schedule.failed",
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from django.contrib import admin, messages
@@ -18,7 +17,7 @@ from ..cancel import run_cancel
 from ..models import JobRun, Trigger
 from ..retry import RETRYABLE, RetryError, run_retry
 from ..timeline import duration_format, run_timeline
-from .display import run_url, status_badge
+from .display import json_block, run_url, status_badge
 from .paging import EstimatedCountPaginator
 
 # How often an open run page fetches its timeline while the run is active: live enough to
@@ -118,11 +117,11 @@ class JobRunAdmin(admin.ModelAdmin):
 
     @admin.display(description="parameters")
     def parameters_json(self, run: JobRun) -> str:
-        return format_html("<pre>{}</pre>", json.dumps(run.parameters, indent=2, ensure_ascii=False))
+        return json_block(run.parameters)
 
     @admin.display(description="plan")
     def plan_json(self, run: JobRun) -> str:
-        return format_html("<pre>{}</pre>", json.dumps(run.plan, indent=2, ensure_ascii=False))
+        return json_block(run.plan)
 
     def get_search_results(self, request, queryset, search_term):
         """Runs whose id starts with the term (the list shows 8 characters), or with that

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import unquote
@@ -17,11 +16,13 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 
 from devices.models import DeviceGroup, labels_validate
+from iotqueue.forms import JSON_FORMFIELD_OVERRIDES, json_text_parse
 
 from ..models import JobRun, JobStep, JobTemplate, Trigger
-from ..services import RunStartError, run_start, run_start_each
+from ..services import RunStartError, run_start, run_start_each, template_version_record
 from ..validation import step_errors, template_errors
 from .display import run_url
+from .versions import TemplateVersionsAdminMixin, version_number_param, version_steps
 
 
 class JobStepForm(forms.ModelForm):
@@ -46,6 +47,9 @@ class JobStepFormSet(BaseInlineFormSet):
             for form in self.forms
             if getattr(form, "cleaned_data", None) and not form.cleaned_data.get("DELETE")
         ]
+        limit = settings.IOTQUEUE_TEMPLATE_MAX_STEPS
+        if len(steps) > limit:
+            raise ValidationError(f"A template has at most {limit} steps (IOTQUEUE_TEMPLATE_MAX_STEPS).")
         errors = template_errors(steps)
         if errors:
             raise ValidationError(
@@ -60,19 +64,20 @@ class JobStepFormSet(BaseInlineFormSet):
 class JobStepInline(admin.StackedInline):
     model = JobStep
     form = JobStepForm
+    formfield_overrides = JSON_FORMFIELD_OVERRIDES
     formset = JobStepFormSet
     extra = 0
     ordering = ["position"]
     autocomplete_fields = ["device", "group"]
     fieldsets = [
         (None, {"fields": [("position", "name", "kind"), ("action", "args")]}),
-        ("Target (exactly one)", {"fields": [("device", "device_param"), ("group", "labels")]}),
+        ("Target (exactly one)", {"fields": [("device", "device_param"), ("group", "labels", "selector")]}),
         (
             "Timing and failure",
             {
                 "fields": [
                     ("timeout_seconds", "ack_timeout_seconds", "queue_timeout_seconds", "delay_seconds"),
-                    ("max_attempts", "backoff_seconds", "on_failure"),
+                    ("max_attempts", "backoff_seconds", "on_failure", "max_extend_seconds"),
                     ("compensation_action", "compensation_args"),
                 ]
             },
@@ -83,7 +88,10 @@ class JobStepInline(admin.StackedInline):
                 "classes": ["collapse"],
                 "fields": [
                     ("rollout_per_minute", "max_in_flight"),
+                    ("rollout_increment_factor", "rollout_increment_every", "rollout_increment_on"),
+                    ("rollout_max_per_minute",),
                     ("abort_failure_percent", "abort_min_devices", "success_percent"),
+                    ("abort_criteria",),
                 ],
             },
         ),
@@ -95,10 +103,7 @@ class JobStepInline(admin.StackedInline):
 
 def json_object_parse(text: str) -> dict:
     """A form field's JSON text as a dict; ValidationError saying what is wrong otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+    value = json_text_parse(text)
     if not isinstance(value, dict):
         raise ValidationError('Must be a JSON object, e.g. {"level": 80}.')
     return value
@@ -158,7 +163,8 @@ class RunNowForm(forms.Form):
 
 
 @admin.register(JobTemplate)
-class JobTemplateAdmin(admin.ModelAdmin):
+class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
+    formfield_overrides = JSON_FORMFIELD_OVERRIDES
     list_display = ["name", "step_count", "default_priority", "updated_at"]
     search_fields = ["name", "description"]
     inlines = [JobStepInline]
@@ -190,7 +196,16 @@ class JobTemplateAdmin(admin.ModelAdmin):
 
     def get_urls(self):
         run_now = self.admin_site.admin_view(self.run_now_view)
-        return [path("<path:object_id>/run/", run_now, name="jobs_jobtemplate_run"), *super().get_urls()]
+        return [
+            path("<path:object_id>/run/", run_now, name="jobs_jobtemplate_run"),
+            *self.version_urls(),
+            *super().get_urls(),
+        ]
+
+    def save_related(self, request, form, formsets, change) -> None:
+        """After the inline steps are written (in the admin's transaction): the next version."""
+        super().save_related(request, form, formsets, change)
+        template_version_record(template=form.instance, author=request.user)
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         extra = {"can_run": self.has_run_permission(request), **(extra_context or {})}
@@ -203,10 +218,13 @@ class JobTemplateAdmin(admin.ModelAdmin):
             raise Http404(f"no template with id {object_id!r}")
         if not self.has_run_permission(request):
             raise PermissionDenied
+        # "Run this version" on a version's page comes here with ?version=N.
+        number = version_number_param(request, "version")
+        version = None if number is None else self._version(template, number)
         form = RunNowForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             try:
-                runs = self._runs_start(request, template, form.cleaned_data)
+                runs = self._runs_start(request, template, form.cleaned_data, version=version)
             except RunStartError as exc:
                 form.add_error(form.error_field(exc.field), str(exc))
             else:
@@ -217,19 +235,22 @@ class JobTemplateAdmin(admin.ModelAdmin):
         ]
         context = {
             **self.admin_site.each_context(request),
-            "title": f"Run {template.name}",
+            "title": f"Run {template.name}" + (f", version {version.number}" if version else ""),
             "opts": self.opts,
             "original": template,
             "adminform": helpers.AdminForm(form, fieldsets, {}),
             "form": form,
-            "steps": template.steps.select_related("device", "group").order_by("position"),
+            "steps": version_steps(version)
+            if version
+            else template.steps.select_related("device", "group").order_by("position"),
             "media": self.media + form.media,
         }
         return TemplateResponse(request, "admin/jobs/jobtemplate/run_now.html", context)
 
-    def _runs_start(self, request, template: JobTemplate, data: dict) -> list[JobRun]:
+    def _runs_start(self, request, template: JobTemplate, data: dict, version=None) -> list[JobRun]:
         options = {
             "template": template,
+            "version": version.number if version else None,
             "parameters": data["parameters"],
             "trigger": Trigger.ADMIN,
             "triggered_by": request.user.username,

@@ -14,14 +14,15 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
     plan.py      what a step row executes (spec, target, args, ids); no writes
 
 Step kinds other than a plain command register themselves: waits.py (delay,
-wait_online), fanout.py (group / label fan-out), rollback.py (the `rollback` failure
-policy and its compensation rows). due.py maps each deadline kind to its handler.
+wait_online), fanout.py (group / label fan-out), taskstep.py (a registered Celery task as
+a step), rollback.py (the `rollback` failure policy and its compensation rows). due.py
+maps each deadline kind to its handler.
 Imports point down this list (a module imports only those below it, never the reverse),
 so there is no cycle; importing this package loads every kind so the registries are full.
 
-Step:  pending -> queued -> dispatched -> in_progress -> succeeded | failed | timed_out
+Step:  pending -> queued -> dispatched -> in_progress -> succeeded | failed | rejected | timed_out
        (retrying between attempts; canceled from any non-final state; skipped when a
        fan-out is aborted; see docs/architecture.md)
 """
 
-from . import batch, due, fanout, rollback, waits  # noqa: F401  (kinds register on import)
+from . import batch, due, fanout, rollback, taskstep, waits  # noqa: F401  (kinds register on import)

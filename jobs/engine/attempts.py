@@ -1,12 +1,14 @@
-"""Ending an attempt: success, failure, retry or timeout, decided once per attempt.
+"""Ending an attempt: success, failure, rejection, retry or timeout, decided once per attempt.
 
 An attempt ends exactly once, by a compare-and-set on its command id and fence while the
-step is in flight: the device's `done`, a deadline (no ack / no done in time), an
-operator force-releasing the lock, or the lock's lease running out. A failed attempt with
-budget left goes to `retrying` with an exponential, jittered back-off held in the
-deadline set (never a Celery countdown); otherwise the step row ends. Whatever ended the
-attempt, the device lock is passed on to the next waiter. Moving the run on after a row
-ended for good is the next stage (jobs/engine/runs.py).
+step is in flight: the device's `done` (a refusal, `rejected`, is never retried), a
+deadline (no ack / no done in time), an operator force-releasing the lock, or the lock's
+lease running out. A failed attempt with budget left goes to `retrying` with an
+exponential, jittered back-off held in the deadline set (never a Celery countdown);
+otherwise the step row ends. Whatever ended the attempt, the device lock is passed on to
+the next waiter. Moving the run on after a row ended for good is the next stage
+(jobs/engine/runs.py). While an attempt is in flight its device may push its deadline
+out (`attempt_extend`), up to the step's maximum.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from devices.locks import device_lock_dequeue, device_lock_pass_on
+from devices.locks import device_lock_dequeue, device_lock_extend, device_lock_pass_on
 
+from ..choices import DEFAULT_MAX_EXTEND_SECONDS
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record
 from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 from .dispatch import dispatch_if_holding, step_acquire
-from .plan import step_holder, step_spec
+from .plan import LEASE_GRACE_SECONDS, is_task_row, step_holder, step_spec
 
 # Longest back-off between attempts, whatever the step's base and attempt count say.
 BACKOFF_MAX_SECONDS = 3600.0
@@ -56,14 +59,20 @@ def attempt_outcome(
     result: dict | None = None,
     error: str = "",
     retryable: bool = False,
+    rejected: bool = False,
     timed_out: bool = False,
     now: datetime,
 ) -> Outcome:
-    """Decide (without writing) how the in-flight attempt of `step_run` ends."""
+    """Decide (without writing) how the in-flight attempt of `step_run` ends.
+
+    `rejected`: the device refused the command; the step ends `rejected`, never retried.
+    """
     spec = step_spec(step_run)
-    retry = not ok and retryable and step_run.attempt < spec["max_attempts"]
+    retry = not ok and retryable and not rejected and step_run.attempt < spec["max_attempts"]
     if ok:
         status = StepStatus.SUCCEEDED
+    elif rejected:
+        status = StepStatus.REJECTED
     elif retry:
         status = StepStatus.RETRYING
     else:
@@ -92,7 +101,7 @@ def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadlin
 
 def attempt_end(*, step_run: StepRun, command_id: str, **how: Any) -> bool:
     """End the in-flight attempt `command_id` once, as `how` says (the arguments of
-    `attempt_outcome`: ok, result, error, retryable, timed_out); False when it had already
+    `attempt_outcome`: ok, result, error, retryable, rejected, timed_out); False when it had already
     ended. The row is updated in memory too; the caller continues the run when the row
     ended for good (status not `retrying`).
     """
@@ -112,7 +121,8 @@ def attempt_end(*, step_run: StepRun, command_id: str, **how: Any) -> bool:
     cleared, retry = attempt_deadlines(step_run, outcome)
     deadlines_clear(cleared)
     deadlines_set(retry)
-    device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
+    if step_run.device_id:
+        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     return True
 
 
@@ -134,9 +144,13 @@ def step_queue_timeout(*, step_run: StepRun) -> bool:
     """Waited too long for a busy or offline device: the step times out (True).
 
     Unless the step holds the device's lock already (its hand-off was lost with a killed
-    worker): then it is dispatched now instead (False).
+    worker): then it is dispatched now instead (False). A step without a device waits for
+    nothing: its dispatch was lost, and it is dispatched now (False).
     """
-    if step_run.device_id and dispatch_if_holding(step_run):
+    if step_run.device_id is None:
+        step_acquire(step_run=step_run)
+        return False
+    if dispatch_if_holding(step_run):
         return False
     spec = step_spec(step_run)
     why = "offline" if not step_run.device.reachable else "busy"
@@ -150,4 +164,59 @@ def step_queue_timeout(*, step_run: StepRun) -> bool:
     device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
     step_run.status, step_run.error = StepStatus.TIMED_OUT, error
     event_record("step.timed_out", step_run=step_run, message=error)
+    return True
+
+
+def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: datetime) -> bool:
+    """Push the in-flight attempt's deadline out to `seconds` from now (progress extend_seconds).
+
+    Bounded per step: the deadline may end at most `max_extend_seconds` after the one the
+    attempt was dispatched with; a request past that is refused (`step.extend_refused`) and
+    the deadline stays. The row is the authority: the compare-and-set requires the attempt
+    still in flight with its deadline not yet passed, so an extension that arrives after the
+    deadline fired (or with the `done` claim already under way) changes nothing
+    (`reply.stale`). Then the Redis `done` deadline and the device lock's lease are moved
+    with it, so neither the monitor nor lease expiry ends the attempt early. False when
+    nothing changed. A deadline is never moved earlier.
+    """
+    spec = step_spec(step_run)
+    maximum = spec.get("max_extend_seconds", DEFAULT_MAX_EXTEND_SECONDS)
+    original = step_run.dispatched_at + timedelta(seconds=spec["timeout_seconds"])
+    deadline = max(step_run.deadline or now, now + timedelta(seconds=seconds))
+    beyond = (deadline - original).total_seconds()
+    if is_task_row(step_run) or beyond > maximum:
+        why = (
+            "a task step's time limit is fixed"
+            if is_task_row(step_run)
+            else (f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s")
+        )
+        event_record(
+            "step.extend_refused",
+            step_run=step_run,
+            message=f"asked for {seconds:g}s more; {why}; deadline unchanged",
+            extend_seconds=seconds,
+            max_extend_seconds=maximum,
+        )
+        return False
+    moved = StepRun.objects.filter(
+        pk=step_run.pk, command_id=command_id, status__in=STEP_IN_FLIGHT, deadline__gt=now
+    ).update(deadline=deadline)
+    if not moved:
+        event_record("reply.stale", step_run=step_run, message="extend_seconds after the attempt's deadline")
+        return False
+    step_run.deadline = deadline
+    deadlines_set({Deadline("done", step_run.pk, step_run.attempt): deadline})
+    device_lock_extend(
+        step_run.device.name,
+        holder=step_holder(step_run),
+        fence=step_run.fence,
+        lease_seconds=(deadline - now).total_seconds() + LEASE_GRACE_SECONDS,
+    )
+    event_record(
+        "step.extended",
+        step_run=step_run,
+        message=f"deadline moved to {deadline.isoformat()} (+{seconds:g}s asked)",
+        extend_seconds=seconds,
+        deadline=deadline.isoformat(),
+    )
     return True

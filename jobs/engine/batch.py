@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 from uuid import UUID
@@ -77,6 +77,7 @@ from .plan import (
     RUN_ACTIVE,
     holder_step_id,
     is_fanout_row,
+    is_task_row,
     lease_seconds,
     spec_kind,
     step_args,
@@ -84,7 +85,7 @@ from .plan import (
     step_spec,
     step_target_name,
 )
-from .reply import step_reply
+from .reply import progress_event, step_reply
 from .runs import RUN_STATUS_FOR_STEP, run_advance, run_continue, run_step_enter, step_error
 
 log = logging.getLogger(__name__)
@@ -237,14 +238,21 @@ class _Batch:
             run = runs.get(UUID(str(run_id)))
             if run is not None and run.status != RunStatus.PENDING:
                 self.later.append(partial(run_advance, run_id=str(run_id)))
+        timed: dict[Deadline, datetime] = {}
         for run in pending:
             run.status, run.started_at = RunStatus.RUNNING, self.now
+            if run.max_duration:
+                run.deadline = self.now + timedelta(seconds=run.max_duration)
+                timed[Deadline("run", str(run.pk), 0)] = run.deadline
             self.events.add("run.started", run=run, message=f"{len(run.plan)} steps")
             self.starting.append(run)
-        if rows_update(JobRun, pending, ["status", "started_at"], status_in=(RunStatus.PENDING,)) != len(
-            pending
-        ):
+        fields = ["status", "started_at", *(["deadline"] if timed else [])]
+        if rows_update(JobRun, pending, fields, status_in=(RunStatus.PENDING,)) != len(pending):
             raise BatchConflict("a run started meanwhile")
+        if timed:
+            # max_duration: written after the commit, with the batch's last pipeline (a
+            # deadline that fired before the commit would find its run still pending).
+            self.finally_.append(lambda pipe: deadlines_set(timed, pipe=pipe))
 
     def classify(self, items: list[tuple[str, protocol.Reply]]) -> None:
         """Replies to current attempts are applied here; the rest go the general way."""
@@ -258,7 +266,8 @@ class _Batch:
                 and step_run.status in STEP_IN_FLIGHT
                 and reply.command_id not in ending
             )
-            if not current:
+            if not current or reply.extend_seconds:
+                # An extension moves a deadline and a lease: rare, so the general path has it.
                 self.later.append(partial(step_reply, device=device, reply=reply))
             elif reply.kind == "done":
                 ending.add(reply.command_id)
@@ -274,6 +283,9 @@ class _Batch:
             self.events.add("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
         if reply.progress is not None:
             step_run.progress = reply.progress
+        if reply.detail:
+            event = progress_event(step_run, reply)
+            self.events.add(event.pop("kind"), **event)
         self.acks[step_run.pk] = step_run
 
     # --- 2. the database writes before the lock call -------------------------------
@@ -295,6 +307,7 @@ class _Batch:
                 result=reply.result,
                 error=reply.error,
                 retryable=reply.retryable,
+                rejected=reply.rejected,
                 now=self.now,
             )
             for field, value in outcome.changes.items():
@@ -455,8 +468,9 @@ class _Batch:
         """Dispatch, in this transaction, the queued rows the releases handed a device to.
 
         Their deadlines and full lease are written in one more round trip before the
-        commit. Holders of another kind (a parked Celery task), rows that moved on, and
-        devices with flow control are started the general way after the commit.
+        commit. Holders of another kind (a parked Celery task), rows that moved on, task
+        steps (they send a Celery task, not a command) and devices with flow control are
+        started the general way after the commit.
         """
         handed = [(device, grant, holder_step_id(grant.holder)) for device, grant in self.handed]
         step_ids = {step_id for _, _, step_id in handed if step_id is not None}
@@ -472,6 +486,7 @@ class _Batch:
                 or row.run.status not in RUN_ACTIVE
                 or row.device.min_interval_seconds
                 or row.device.max_per_minute
+                or is_task_row(row)
             ):
                 self.later.append(partial(step_dispatch, step_run_id=step_id, fence=grant.fence))
             else:

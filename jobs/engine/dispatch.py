@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -37,7 +38,7 @@ from iotqueue.redis_conn import redis_connection
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
-from .plan import RUN_ACTIVE, command_id_new, lease_seconds, step_holder, step_spec
+from .plan import RUN_ACTIVE, command_id_new, lease_seconds, spec_kind, step_holder, step_spec
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,12 @@ def step_acquire(*, step_run: StepRun, quiet: bool = False) -> None:
     """Take the device lock and dispatch, or wait (device busy or offline; no worker waits).
 
     A step for an offline device stays queued outside the lock queue; the device's return
-    online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait.
+    online (jobs/presence.py) acquires for it. Its queue deadline bounds the wait. A step
+    without a device (a task step) has no lock to take and is dispatched at once.
     """
+    if step_run.device_id is None:
+        step_dispatch(step_run_id=step_run.pk, fence=None, step_run=step_run, lease_fresh=True)
+        return
     if not step_run.device.reachable:
         queue_deadline_set(step_run)
         if not quiet:
@@ -122,12 +127,13 @@ def queue_deadline_set(step_run: StepRun) -> None:
 
 
 def step_dispatch(
-    *, step_run_id: int, fence: int, step_run: StepRun | None = None, lease_fresh: bool = False
+    *, step_run_id: int, fence: int | None, step_run: StepRun | None = None, lease_fresh: bool = False
 ) -> None:
-    """Commit the attempt (command id, fence, deadlines), then publish the command.
+    """Commit the attempt (command id, fence, deadlines), then send it (`attempt_send`).
 
     `step_run` may be passed when the caller has just loaded it; the compare-and-set on
-    (status, attempt) keeps a stale copy harmless.
+    (status, attempt) keeps a stale copy harmless. `fence` is None for a step without a
+    device (no lock).
     """
     if step_run is None:
         step_run = StepRun.objects.select_related("run", "device").filter(pk=step_run_id).first()
@@ -141,11 +147,12 @@ def step_dispatch(
     if step_run.status != StepStatus.QUEUED or step_run.run.status not in RUN_ACTIVE:
         if step_run.status in STEP_IN_FLIGHT and step_run.fence == fence:
             return  # redelivered task: already dispatched under this grant
-        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=fence)
+        if step_run.device_id:
+            device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=fence)
         return
     spec = step_spec(step_run)
     now = timezone.now()
-    spacing = device_flow_wait(step_run.device)
+    spacing = device_flow_wait(step_run.device) if step_run.device_id else 0
     if spacing > 0:
         # Flow control: keep the lock, publish when the device may take the next command.
         deadlines_set({Deadline("dispatch", step_run.pk, step_run.attempt): now + timedelta(seconds=spacing)})
@@ -175,20 +182,41 @@ def step_dispatch(
         event_record(
             "step.dispatched", step_run=step_run, message=f"attempt {step_run.attempt}, fence {fence}"
         )
-    if not lease_fresh:
-        device_lock_extend(
-            step_run.device.name, holder=step_holder(step_run), fence=fence, lease_seconds=lease_seconds(spec)
-        )
-    device_flow_record(step_run.device)
-    # Published once the transition commits (at once outside a transaction): a caller that
+    if step_run.device_id:
+        if not lease_fresh:
+            device_lock_extend(
+                step_run.device.name,
+                holder=step_holder(step_run),
+                fence=fence,
+                lease_seconds=lease_seconds(spec),
+            )
+        device_flow_record(step_run.device)
+    # Sent once the transition commits (at once outside a transaction): a caller that
     # dispatches as part of a larger transition keeps commit-before-publish.
     transaction.on_commit(partial(command_send_checked, step_run=step_run))
 
 
 def command_send_checked(*, step_run: StepRun) -> None:
-    """Publish the command; its `send` check is cleared once the broker confirmed it."""
-    if command_send(step_run=step_run):
+    """Send the attempt; its `send` check is cleared once the broker confirmed it."""
+    if attempt_send(step_run=step_run):
         deadlines_clear([Deadline("send", step_run.pk, step_run.attempt)])
+
+
+# kind -> sender(step_run=...) -> bool, for kinds whose attempt is not an MQTT command to
+# the device (a task step sends a Celery task). Filled by the kind modules on import.
+AttemptSender = Callable[..., bool]
+_senders: dict[str, AttemptSender] = {}
+
+
+def attempt_sender_register(kind: str, sender: AttemptSender) -> None:
+    _senders[kind] = sender
+
+
+def attempt_send(*, step_run: StepRun) -> bool:
+    """Send the step's current attempt the way its kind does (a command by default);
+    False (and an event) when it failed, which the `send` deadline retries."""
+    sender = _senders.get(spec_kind(step_spec(step_run)), command_send)
+    return sender(step_run=step_run)
 
 
 def command_message(step_run: StepRun) -> tuple[str, bytes]:
@@ -281,7 +309,7 @@ def command_resend(*, step_run: StepRun, attempt: int) -> None:
     if step_run.attempt != attempt or step_run.status != StepStatus.DISPATCHED:
         return
     event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
-    if not command_send(step_run=step_run):
+    if not attempt_send(step_run=step_run):
         deadlines_set(
             {Deadline("send", step_run.pk, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
         )

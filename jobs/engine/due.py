@@ -2,7 +2,9 @@
 
 Each kind has one handler in `DEADLINE_HANDLERS`. A handler acts only if the step is still
 where the deadline expected it (same attempt, the status the deadline guards): a deadline
-that fires late, twice, or after its step moved on changes nothing.
+that fires late, twice, or after its step moved on changes nothing. Kinds that name a run
+(`run`: max_duration) have their handler registered by the module that owns the action
+(`run_deadline_register`, jobs/cancel.py), which checks the run likewise.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from django.db import transaction
+from django.utils import timezone
 
-from ..deadlines import Deadline
-from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from ..deadlines import RUN_KINDS, Deadline, deadlines_set
+from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
 from .dispatch import command_resend, dispatch_if_holding
 from .fanout import fanout_pump
-from .plan import step_spec
+from .plan import spec_kind, step_answerer, step_spec
 from .runs import attempt_end_continue, run_continue
 from .waits import delay_end
 
@@ -29,13 +32,18 @@ def _answer_due(step_run: StepRun, deadline: Deadline) -> None:
     """No ack / no done in time: the attempt times out (retried if it has budget)."""
     if step_run.status not in STEP_IN_FLIGHT:
         return
+    if deadline.kind == "done" and step_run.deadline is not None and step_run.deadline > timezone.now():
+        # The device extended the attempt (progress extend_seconds) after this member was
+        # claimed or as it was: the row's deadline is the authority, so watch that one instead.
+        deadlines_set({deadline: step_run.deadline})
+        return
     spec = step_spec(step_run)
     waited = spec["ack_timeout_seconds"] if deadline.kind == "ack" else spec["timeout_seconds"]
     attempt_end_continue(
         step_run=step_run,
         command_id=step_run.command_id,
         ok=False,
-        error=f"no {deadline.kind} from {step_run.device.name} within {waited}s",
+        error=f"no {deadline.kind} from {step_answerer(step_run)} within {waited}s",
         retryable=True,
         timed_out=True,
     )
@@ -77,13 +85,25 @@ DEADLINE_HANDLERS: dict[str, DeadlineHandler] = {
 }
 
 
+# Run-level kinds -> handler(run_id); filled by their owners on import.
+RunDeadlineHandler = Callable[[str], None]
+_run_deadline_handlers: dict[str, RunDeadlineHandler] = {}
+
+
+def run_deadline_register(kind: str, handler: RunDeadlineHandler) -> None:
+    _run_deadline_handlers[kind] = handler
+
+
 @transaction.atomic
 def step_deadline(*, deadline: Deadline) -> None:
-    """Act on a due deadline if the step is still where the deadline expected it."""
+    """Act on a due deadline if the step (or run) is still where the deadline expected it."""
+    if deadline.kind in RUN_KINDS:
+        _run_deadline_handlers[deadline.kind](str(deadline.step_run_id))
+        return
     step_run = StepRun.objects.select_related("run", "device").filter(pk=deadline.step_run_id).first()
     if step_run is None or step_run.attempt != deadline.attempt:
         return
-    if step_run.device_id is None:  # a delay step: whatever found it due (wake, sweep), it is over
-        delay_end(step_run=step_run)
+    if spec_kind(step_run.run.plan[step_run.index]) == StepKind.DELAY:
+        delay_end(step_run=step_run)  # whatever found it due (wake, sweep), it is over
         return
     DEADLINE_HANDLERS[deadline.kind](step_run, deadline)

@@ -1,22 +1,28 @@
 """Fleet fan-out: one step sent to every device of a group or label selector.
 
 The step expands into one row per device (status `pending`). The pump starts rows while
-the rollout rate (devices per minute) and max-in-flight allow; each started row is an
-ordinary step (queued on its device's lock, so busy devices simply queue). When a row
-ends, progress is evaluated: past the abort threshold the pending rows are skipped and the
-step fails with the failure breakdown; when all rows ended, the success criterion decides.
-Pumps of one fan-out are serialized by a row lock on the run (SQLite: by its write lock).
+the rollout rate (devices per minute, stepped up by an exponential ramp if the step has one)
+and max-in-flight allow; each started row is an ordinary step (queued on its device's lock,
+so busy devices simply queue). When a row ends, progress is evaluated: when an abort
+criterion trips (by cause: failed, rejected, timed out, any) the pending rows are skipped
+and the step fails with the criterion and the failure breakdown; when all rows ended, the
+success criterion decides. Pumps of one fan-out are serialized by a row lock on the run
+(SQLite: by its write lock).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from .. import templating
+from ..choices import AbortCause, RolloutIncrementOn
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import STEP_TERMINAL, JobRun, Phase, StepRun, StepStatus
@@ -27,11 +33,111 @@ from .start import StepRefused, step_kind_register
 
 # The window of the rollout rate.
 RATE_WINDOW = timedelta(minutes=1)
+# A ramp's shortest pacing window: the monitor claims due deadlines once a second, so a
+# shorter window would be paced by the tick, not by the rate.
+RAMP_SLICE = timedelta(seconds=1)
+# Step-ups counted at most: 5 (the largest factor) to this power exceeds any fleet, and the
+# bound keeps the power a small number.
+RAMP_MAX_STEPS = 64
 ACTIVE = (StepStatus.QUEUED, StepStatus.DISPATCHED, StepStatus.IN_PROGRESS, StepStatus.RETRYING)
+# The row statuses each abort cause counts (`any`: every row that ended other than succeeded).
+CAUSE_STATUSES = {
+    AbortCause.FAILED: (StepStatus.FAILED,),
+    AbortCause.REJECTED: (StepStatus.REJECTED,),
+    AbortCause.TIMED_OUT: (StepStatus.TIMED_OUT,),
+    AbortCause.ANY: (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT, StepStatus.CANCELED),
+}
 
 
 def _rows(run: JobRun, index: int):
     return StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=index)
+
+
+def rollout_room(
+    *, rows: int, max_in_flight: int, in_flight: int, rollout_per_minute: int, started_in_window: int
+) -> int:
+    """How many more rows may start now: all of them, less what max-in-flight (rows at work)
+    and the rollout rate (rows started within RATE_WINDOW) leave; 0 limits = none."""
+    room = rows
+    if max_in_flight:
+        room = min(room, max_in_flight - in_flight)
+    if rollout_per_minute:
+        room = min(room, rollout_per_minute - started_in_window)
+    return max(0, room)
+
+
+def rollout_rate(*, base: int, factor: float, every: int, counted: int, maximum: int) -> int:
+    """The rollout rate (devices per minute) after `counted` devices succeeded (or were
+    notified): `base` times `factor` per `every` of them, at most `maximum` (0 = no maximum).
+    A factor of 1 or no `every` is the fixed rate `base`; 0 stays "no limit"."""
+    if not base or factor <= 1 or every <= 0:
+        return base
+    rate = int(base * factor ** min(counted // every, RAMP_MAX_STEPS))
+    return min(rate, maximum) if maximum else rate
+
+
+def ramp_pace(rate: int) -> tuple[int, timedelta]:
+    """How a ramp paces `rate` devices a minute: (devices, window) with devices / window ==
+    rate, the window no shorter than RAMP_SLICE, so devices go out spread over the minute and
+    a step-up shows within seconds (a fixed rate admits its minute's devices at once)."""
+    devices = max(1, rate * RAMP_SLICE // RATE_WINDOW)
+    return devices, RATE_WINDOW * devices / rate
+
+
+def rollout_aborted(
+    *, failed: int, ended: int, abort_failure_percent: int | None, abort_min_devices: int
+) -> bool:
+    """One criterion's test: more than `abort_failure_percent` of the rows that ended (skipped
+    ones aside) count against it (`failed`), once at least `abort_min_devices` (and one) ended."""
+    return (
+        abort_failure_percent is not None
+        and ended >= max(1, abort_min_devices)
+        and failed * 100 > abort_failure_percent * ended
+    )
+
+
+def abort_criteria(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A step's abort criteria in the order they are tested: its `abort_criteria`, then the
+    older `abort_failure_percent` / `abort_min_devices` as an `any` criterion."""
+    criteria = list(spec.get("abort_criteria") or [])
+    if spec.get("abort_failure_percent") is not None:
+        criteria.append(
+            {
+                "cause": AbortCause.ANY.value,
+                "threshold_percent": spec["abort_failure_percent"],
+                "min_executed": spec.get("abort_min_devices") or 0,
+            }
+        )
+    return criteria
+
+
+def abort_criterion_tripped(
+    *, criteria: list[dict[str, Any]], by_status: Mapping[str, int], executed: int
+) -> dict[str, Any] | None:
+    """The first criterion past its threshold, with what it counted (`count`, `executed`,
+    `percent`); None when the rollout goes on. `executed`: rows that ended, skipped aside."""
+    for criterion in criteria:
+        count = sum(by_status.get(status, 0) for status in CAUSE_STATUSES[criterion["cause"]])
+        if rollout_aborted(
+            failed=count,
+            ended=executed,
+            abort_failure_percent=criterion["threshold_percent"],
+            abort_min_devices=criterion.get("min_executed") or 0,
+        ):
+            percent = round(count * 100 / executed, 1)
+            return {**criterion, "count": count, "executed": executed, "percent": percent}
+    return None
+
+
+def rollout_succeeded(*, succeeded: int, total: int, success_percent: int) -> bool:
+    """The success criterion, once every row ended: at least `success_percent` of all rows."""
+    return succeeded * 100 >= success_percent * total
+
+
+def failure_reason(error: str, device: str | None) -> str:
+    """A row's error with its device name folded out, so one cause counts as one reason:
+    "no done from pump-17 within 30s" and "... pump-18 ..." are both "... <device> ..."."""
+    return error.replace(device, "<device>") if device else error
 
 
 def fanout_start(run: JobRun, index: int) -> None:
@@ -40,10 +146,18 @@ def fanout_start(run: JobRun, index: int) -> None:
     if _rows(run, index).exists():  # started before (a redelivered task): just pump
         fanout_pump(run=run, index=index)
         return
-    devices = fanout_devices(spec)
+    target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")
+    try:
+        devices = fanout_devices(spec)
+    except ValueError as exc:
+        raise StepRefused("", f"{target}: {exc}") from None
     if not devices:
-        target = f"group {spec['group']}" if spec.get("group") else f"labels {spec['labels']}"
         raise StepRefused("", f"no enabled device matches {target}")
+    limit = settings.IOTQUEUE_FANOUT_MAX_DEVICES
+    if len(devices) > limit:
+        raise StepRefused(
+            "", f"{len(devices)} devices match {target}, more than IOTQUEUE_FANOUT_MAX_DEVICES ({limit})"
+        )
     rows = []
     for device in devices:
         try:
@@ -56,6 +170,30 @@ def fanout_start(run: JobRun, index: int) -> None:
     fanout_pump(run=run, index=index)
 
 
+def _ramped(spec: Mapping[str, Any]) -> bool:
+    return (spec.get("rollout_increment_factor") or 1) > 1 and (spec.get("rollout_increment_every") or 0) > 0
+
+
+def _rollout_pace(spec: Mapping[str, Any], rows) -> tuple[int, timedelta]:
+    """(devices, window) the rollout admits now: the fixed rate per minute, or a ramp's
+    current rate (one count query, only for ramped steps) paced by ramp_pace."""
+    base = spec.get("rollout_per_minute") or 0
+    if not base or not _ramped(spec):
+        return base, RATE_WINDOW
+    if spec.get("rollout_increment_on") == RolloutIncrementOn.NOTIFIED:
+        counted = rows.exclude(status=StepStatus.PENDING).exclude(status=StepStatus.SKIPPED).count()
+    else:
+        counted = rows.filter(status=StepStatus.SUCCEEDED).count()
+    rate = rollout_rate(
+        base=base,
+        factor=spec["rollout_increment_factor"],
+        every=spec["rollout_increment_every"],
+        counted=counted,
+        maximum=spec.get("rollout_max_per_minute") or 0,
+    )
+    return ramp_pace(rate)
+
+
 def fanout_pump(*, run: JobRun, index: int) -> int:
     """Start as many pending rows as the rollout rate and max-in-flight allow."""
     spec = run.plan[index]
@@ -63,23 +201,26 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
     with transaction.atomic():
         JobRun.objects.select_for_update().filter(pk=run.pk).first()
         rows = _rows(run, index)
-        room = len(rows)
-        if spec.get("max_in_flight"):
-            room = min(room, spec["max_in_flight"] - rows.filter(status__in=ACTIVE).count())
-        rate = spec.get("rollout_per_minute") or 0
-        window = rows.filter(queued_at__gt=now - RATE_WINDOW)
-        if rate:
-            room = min(room, rate - window.count())
+        max_in_flight = spec.get("max_in_flight") or 0
+        allowed, rate_window = _rollout_pace(spec, rows)
+        window = rows.filter(queued_at__gt=now - rate_window)
+        room = rollout_room(
+            rows=len(rows),
+            max_in_flight=max_in_flight,
+            in_flight=rows.filter(status__in=ACTIVE).count() if max_in_flight else 0,
+            rollout_per_minute=allowed,
+            started_in_window=window.count() if allowed else 0,
+        )
         pending = list(rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True))
-        start = pending[: max(0, room)]
+        start = pending[:room]
         deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
         rows.filter(pk__in=start, status=StepStatus.PENDING).update(
             status=StepStatus.QUEUED, queued_at=now, deadline=deadline
         )
-        if rate and len(pending) > len(start) and window.exists():
+        if allowed and len(pending) > len(start) and window.exists():
             oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
             anchor = pending[len(start)]
-            deadlines_set({Deadline("pump", anchor, 0): oldest + RATE_WINDOW})
+            deadlines_set({Deadline("pump", anchor, 0): oldest + rate_window})
     for step_run in StepRun.objects.select_related("run", "device").filter(pk__in=start):
         step_acquire(step_run=step_run)
     return len(start)
@@ -89,11 +230,10 @@ def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     """(rows by status, failure reasons by count) of one fan-out step."""
     rows = _rows(run, index)
     by_status = Counter(rows.values_list("status", flat=True))
-    failed = rows.filter(status__in=(StepStatus.FAILED, StepStatus.TIMED_OUT)).values_list(
-        "error", "device__name"
-    )
-    # "no done from pump-17 within 30s" and "... pump-18 ..." are one reason, not two.
-    reasons = Counter(error.replace(device, "<device>") if device else error for error, device in failed)
+    failed = rows.filter(
+        status__in=(StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
+    ).values_list("error", "device__name")
+    reasons = Counter(failure_reason(error, device) for error, device in failed)
     return by_status, reasons
 
 
@@ -110,31 +250,15 @@ def fanout_progress(*, run: JobRun, index: int) -> None:
     ended = sum(by_status[s] for s in STEP_TERMINAL if s != StepStatus.SKIPPED)
     failed = ended - succeeded
     breakdown = ", ".join(f"{n}x {reason}" for reason, n in reasons.most_common(5))
-    threshold = spec.get("abort_failure_percent")
-    if (
-        threshold is not None
-        and ended >= max(1, spec.get("abort_min_devices") or 0)
-        and failed * 100 > threshold * ended
-    ):
-        skipped = (
-            _rows(run, index)
-            .filter(status=StepStatus.PENDING)
-            .update(status=StepStatus.SKIPPED, error="rollout aborted", finished_at=timezone.now())
-        )
-        error = (
-            f"step {index}: rollout aborted, {failed} of {ended} devices failed (> {threshold}%): {breakdown}"
-        )
-        if skipped:
-            event_record(
-                "step.aborted", run=run, message=f"{error}; {skipped} devices not started", index=index
-            )
-        run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=error)
+    tripped = abort_criterion_tripped(criteria=abort_criteria(spec), by_status=by_status, executed=ended)
+    if tripped is not None:
+        fanout_abort(run=run, index=index, tripped=tripped, breakdown=breakdown)
         return
     if by_status[StepStatus.PENDING] or any(by_status[s] for s in ACTIVE):
         if by_status[StepStatus.PENDING]:
             fanout_pump(run=run, index=index)
         return
-    ok = succeeded * 100 >= spec.get("success_percent", 100) * total
+    ok = rollout_succeeded(succeeded=succeeded, total=total, success_percent=spec.get("success_percent", 100))
     message = f"{succeeded} of {total} devices succeeded" + (f"; failures: {breakdown}" if failed else "")
     event_record("step.fanout_done", run=run, message=message, index=index, by_status=dict(by_status))
     run_step_done(
@@ -144,6 +268,32 @@ def fanout_progress(*, run: JobRun, index: int) -> None:
         status=StepStatus.SUCCEEDED if ok else StepStatus.FAILED,
         error=f"step {index}: {message}",
     )
+
+
+def fanout_abort(*, run: JobRun, index: int, tripped: dict[str, Any], breakdown: str) -> None:
+    """An abort criterion tripped: skip the rows not started, fail the step saying which
+    criterion and what it counted. Rows already at work finish (their outcome is recorded)."""
+    skipped = (
+        _rows(run, index)
+        .filter(status=StepStatus.PENDING)
+        .update(status=StepStatus.SKIPPED, error="rollout aborted", finished_at=timezone.now())
+    )
+    cause = tripped["cause"]
+    counted = "failed, rejected or timed out" if cause == AbortCause.ANY else cause.replace("_", " ")
+    error = (
+        f"step {index}: rollout aborted by criterion {cause}: {tripped['count']} of "
+        f"{tripped['executed']} devices {counted} ({tripped['percent']}% > "
+        f"{tripped['threshold_percent']}%): {breakdown}"
+    )
+    event_record(
+        "step.aborted",
+        run=run,
+        message=f"{error}; {skipped} devices not started",
+        index=index,
+        criterion=tripped,
+        skipped=skipped,
+    )
+    run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=error)
 
 
 step_kind_register("fanout", fanout_start)

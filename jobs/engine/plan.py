@@ -2,7 +2,7 @@
 
 Every stage of the engine reads a step through these functions, so a compensation (which
 runs the step's compensation action), a for-each run (`device_param`) and a fan-out
-(group / labels) look the same to dispatching and to ending an attempt.
+(group / labels / selector) look the same to dispatching and to ending an attempt.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from devices.locks import holder_name
 from devices.models import Device
+from devices.selectors import labels_requirements, selector_filter, selector_parse
 
 from .. import templating
 from ..models import JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
@@ -39,28 +40,47 @@ def step_spec(step_run: StepRun) -> dict[str, Any]:
     """The plan entry a step row executes; a compensation runs the step's compensation."""
     spec = step_run.run.plan[step_run.index]
     if step_run.phase == Phase.COMPENSATION:
+        # A task step is undone by a task (its compensation_action names one), any other by
+        # a command to its device.
         return {
             **spec,
-            "kind": StepKind.COMMAND,
+            "kind": StepKind.TASK if spec.get("kind") == StepKind.TASK else StepKind.COMMAND,
             "action": spec["compensation_action"],
             "args": spec["compensation_args"],
             "group": "",
             "labels": {},
+            "selector": "",
         }
     return spec
 
 
 def spec_kind(spec: dict[str, Any]) -> str:
-    """The kind a plan entry starts as: command, delay, wait_online or fanout."""
-    if spec.get("kind") == StepKind.DELAY:
-        return StepKind.DELAY
-    if spec.get("group") or spec.get("labels"):
+    """The kind a plan entry starts as: command, delay, wait_online, task or fanout."""
+    if spec.get("kind") in (StepKind.DELAY, StepKind.TASK):
+        return spec["kind"]
+    if spec_is_fanout(spec):
         return "fanout"
     return spec.get("kind") or StepKind.COMMAND
 
 
+def spec_is_fanout(spec: dict[str, Any]) -> bool:
+    """Whether a plan entry fans out: it targets a group, labels or a label selector."""
+    return bool(spec.get("group") or spec.get("labels") or spec.get("selector"))
+
+
 def is_fanout_row(step_run: StepRun) -> bool:
     return step_run.phase == Phase.FORWARD and spec_kind(step_run.run.plan[step_run.index]) == "fanout"
+
+
+def is_task_row(step_run: StepRun) -> bool:
+    """A row that runs a registered Celery task (jobs/engine/taskstep.py) instead of
+    sending a command: nothing of it is ever published to its device."""
+    return step_spec(step_run).get("kind") == StepKind.TASK
+
+
+def step_answerer(step_run: StepRun) -> str:
+    """Who is to answer the row's attempt, for people: its device, or its task."""
+    return f"task {step_run.action}" if is_task_row(step_run) else step_run.device_name
 
 
 def lease_seconds(spec: dict[str, Any]) -> float:
@@ -131,10 +151,13 @@ def step_target(
 
 
 def fanout_devices(spec: dict[str, Any]) -> list[Device]:
-    """Enabled devices of the step's group, or whose labels contain the step's selector."""
+    """Enabled devices of the step's group, or that its labels and label selector match,
+    as they are now (a fan-out step calls this when it starts).
+
+    Raises ValueError when the selector does not parse (a plan written before validation).
+    """
     devices = Device.objects.filter(enabled=True).order_by("name")
     if spec.get("group"):
         devices = devices.filter(groups__name=spec["group"])
-    selector = spec.get("labels") or {}
-    # Filtered here rather than with a JSON lookup: SQLite has no JSON containment.
-    return [d for d in devices if all(d.labels.get(k) == v for k, v in selector.items())]
+    requirements = labels_requirements(spec.get("labels") or {}) + selector_parse(spec.get("selector") or "")
+    return list(selector_filter(devices, requirements))

@@ -16,6 +16,7 @@ from devices import protocol
 from ..deadlines import Deadline, deadlines_clear
 from ..events import event_record
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from .attempts import attempt_extend
 from .plan import command_id_step
 from .runs import attempt_end_continue
 
@@ -27,12 +28,13 @@ def step_reply(*, device: str, reply: protocol.Reply) -> None:
     if step_run is None:
         reply_unmatched(device, reply)
         return
-    if step_run.device.name != device:
+    # A task step's outcome comes as a reply from its device's name, or "" without one.
+    if step_run.device_name != device:
         event_record(
             "reply.foreign_device",
             step_run=step_run,
             device=device,
-            message=f"{device} answered a command of {step_run.device.name}; ignored",
+            message=f"{device} answered a command of {step_run.device_name or 'no device'}; ignored",
         )
         return
     if reply.kind == "done":
@@ -43,6 +45,7 @@ def step_reply(*, device: str, reply: protocol.Reply) -> None:
             result=reply.result,
             error=reply.error,
             retryable=reply.retryable,
+            rejected=reply.rejected,
         )
     else:
         step_progress(step_run=step_run, reply=reply)
@@ -54,7 +57,7 @@ def reply_unmatched(device: str, reply: protocol.Reply) -> None:
     step_run = (
         StepRun.objects.select_related("device").filter(pk=step_run_id).first() if step_run_id else None
     )
-    if step_run is not None and step_run.device.name == device:
+    if step_run is not None and step_run.device_name == device:
         event_record(
             "reply.stale",
             step_run=step_run,
@@ -68,7 +71,8 @@ def reply_unmatched(device: str, reply: protocol.Reply) -> None:
 
 
 def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
-    """ack/progress: the device is working on the current attempt."""
+    """ack/progress: the device is working on the current attempt; a progress may carry a
+    `detail` (recorded as `step.progress`) and `extend_seconds` (`attempt_extend`)."""
     changes = {"status": StepStatus.IN_PROGRESS, "acked_at": Coalesce("acked_at", timezone.now())}
     if reply.progress is not None:
         changes["progress"] = reply.progress
@@ -83,3 +87,20 @@ def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
             [Deadline("ack", step_run.pk, step_run.attempt), Deadline("send", step_run.pk, step_run.attempt)]
         )
         event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
+    if reply.detail:
+        event_record(**progress_event(step_run, reply))
+    if reply.extend_seconds:
+        attempt_extend(
+            step_run=step_run, command_id=reply.command_id, seconds=reply.extend_seconds, now=timezone.now()
+        )
+
+
+def progress_event(step_run: StepRun, reply: protocol.Reply) -> dict:
+    """The `step.progress` event of a progress that says what the device is doing."""
+    return {
+        "kind": "step.progress",
+        "step_run": step_run,
+        "message": f"{reply.progress}%: {reply.detail}",
+        "progress": reply.progress,
+        "detail": reply.detail,
+    }

@@ -13,9 +13,9 @@ from django.utils import timezone
 
 from .. import templating
 from ..events import event_record
-from ..models import STEP_TERMINAL, JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
+from ..models import STEP_TERMINAL, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
 from .dispatch import step_acquire
-from .plan import step_args
+from .plan import spec_is_fanout, step_args
 from .runs import failure_policy_register, row_ended_register
 from .start import step_row_create
 
@@ -45,16 +45,16 @@ def compensation_next(*, run: JobRun) -> None:
     done = set(compensations.values_list("index", flat=True))
     ran = (
         StepRun.objects.select_related("device")
-        .filter(run=run, phase=Phase.FORWARD, status__in=UNDOABLE, device__isnull=False, attempt__gt=0)
+        .filter(run=run, phase=Phase.FORWARD, status__in=UNDOABLE, attempt__gt=0)
         .order_by("-index")
     )
     for forward in ran:
         spec = run.plan[forward.index]
         if (
             not spec.get("compensation_action")
+            or (forward.device_id is None and spec.get("kind") != StepKind.TASK)  # a delay
             or forward.index in done
-            or spec.get("group")
-            or spec.get("labels")
+            or spec_is_fanout(spec)
         ):
             continue
         try:
@@ -91,7 +91,7 @@ def _compensation_refused(run: JobRun, forward: StepRun, action: str, reason: st
         },
     )
     event_record(
-        "step.failed", run=run, device=forward.device.name, message=f"compensation {action}: {reason}"
+        "step.failed", run=run, device=forward.device_name, message=f"compensation {action}: {reason}"
     )
 
 

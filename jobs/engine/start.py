@@ -67,11 +67,18 @@ def step_row_start(run: JobRun, index: int) -> StepRun:
 
 
 def step_row_create(
-    *, run: JobRun, index: int, device: Device, action: str, args: dict, phase: str = Phase.FORWARD
+    *, run: JobRun, index: int, device: Device | None, action: str, args: dict, phase: str = Phase.FORWARD
 ) -> StepRun:
-    """The queued row of a step (once), with its queue deadline."""
+    """The queued row of a step (once), with its queue deadline; `device` None for a task
+    step without one."""
     spec = run.plan[index]
     now = timezone.now()
+    if device is None:
+        # The unique constraint does not hold for a NULL device: look for the row first.
+        existing = StepRun.objects.filter(run=run, phase=phase, index=index, device=None).first()
+        if existing is not None:
+            existing.run = run
+            return existing
     try:
         # Insert first: the row usually does not exist yet. A redelivered task hits the
         # unique (run, phase, index, device) constraint and reads the row it made before.
@@ -87,7 +94,8 @@ def step_row_create(
                 queued_at=now,
                 deadline=now + timedelta(seconds=spec["queue_timeout_seconds"]),
             )
-            event_record("step.queued", step_run=step_run, message=f"{device.name} {action}")
+            where = step_run.device_name or "task"
+            event_record("step.queued", step_run=step_run, message=f"{where} {action}")
     except IntegrityError:
         step_run = StepRun.objects.select_related("device").get(
             run=run, phase=phase, index=index, device=device

@@ -3,7 +3,9 @@
 They are what a user's own task looks like: the body publishes a command and blocks until
 the device's `done` for it arrives — device I/O the task does itself, outside the engine.
 The test worker imports this module (`--include`, see tests/conftest.py); the app never does.
-The task id travels as the command's "run" so the simulator's records name the task.
+The task id travels as the command's "run" so the simulator's records name the task. The
+worker records when each of these tasks starts and ends (`task_started`, `task_ended`), so a
+test can wait for a run to be over instead of sleeping.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from celery import current_task, shared_task
+from celery.signals import task_postrun, task_prerun
 
 from devices import protocol
 from devices.task_lock import DeviceLockedTask, device_locked_task, task_lock_hold
 from iotqueue.mqtt import client_connect, client_create, publisher
+from iotqueue.redis_conn import redis_connection, redis_key
 
 # How long a body waits for the broker's SUBACK and then for the device's done.
 REPLY_WAIT_SECONDS = 15.0
@@ -84,3 +88,41 @@ def failing_command(action: str, target: str) -> None:
     """Unbound, device in a differently named argument: the fence comes from task_lock_hold()."""
     command_roundtrip(target, action, run=current_task.request.id, token=task_lock_hold().fence)
     raise RuntimeError("the body failed after its command")
+
+
+@shared_task(name="tests.lock_tasks.sentinel")
+def sentinel() -> None:
+    """Does nothing: sent after something, its end shows the worker took what was sent before."""
+
+
+def _events_key() -> str:
+    return redis_key("test-task-events")
+
+
+@task_prerun.connect
+def _task_started(task_id: str, task, **kwargs) -> None:
+    if task.name.startswith("tests.lock_tasks."):
+        redis_connection().rpush(_events_key(), json.dumps(["started", task_id]))
+
+
+# Celery sends task_postrun after everything a run does, a chain's next link included.
+@task_postrun.connect
+def _task_ended(task_id: str, task, **kwargs) -> None:
+    if task.name.startswith("tests.lock_tasks."):
+        redis_connection().rpush(_events_key(), json.dumps(["ended", task_id]))
+
+
+def _task_events(event: str, task_id: str) -> int:
+    return sum(
+        1 for raw in redis_connection().lrange(_events_key(), 0, -1) if json.loads(raw) == [event, task_id]
+    )
+
+
+def task_started(task_id: str) -> int:
+    """How many runs of task `task_id` a worker started (a parked task runs again when handed the lock)."""
+    return _task_events("started", task_id)
+
+
+def task_ended(task_id: str) -> int:
+    """How many runs of task `task_id` a worker finished, whatever the outcome (parked included)."""
+    return _task_events("ended", task_id)

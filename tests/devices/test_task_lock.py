@@ -3,7 +3,6 @@ extension, sharing a device's queue with job steps — real worker, bridge, beat
 broker, with the simulated device as the oracle for overlaps and fencing tokens."""
 
 import itertools
-import time
 
 import pytest
 from celery import chain
@@ -15,14 +14,21 @@ from devices.locks import (
     device_lock_release,
     device_lock_state,
 )
-from devices.simulator import DeviceBehaviour
 from devices.task_lock import DeviceBusy, task_parked
+from devtools.simulator import DeviceBehaviour
 from iotqueue import celery_app
 from iotqueue.redis_conn import redis_connection, redis_key
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun
 from jobs.services import run_start
 from tests.conftest import wait_for
-from tests.devices.lock_tasks import device_command, failing_command, long_command
+from tests.devices.lock_tasks import (
+    device_command,
+    failing_command,
+    long_command,
+    sentinel,
+    task_ended,
+    task_started,
+)
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -128,8 +134,13 @@ def test_a_parked_task_keeps_its_chain(stack, simulator):
     second = chain(device_command.si(device, "first"), device_command.si(device, "second")).apply_async()
     wait_for(lambda: len(device_lock_state(device).queue) == 1, what="the first link to park")
 
-    # then parking did not start the next link
-    time.sleep(0.5)
+    # then parking did not start the next link. What proves it: the first link's run ended
+    # (a run sends its chain's next link before it ends), then a task sent after that ran
+    # (the worker takes messages in the order they were sent: a next link would have started)
+    wait_for(lambda: task_ended(second.parent.id), what="the first link's run to end")
+    after = sentinel.delay()
+    wait_for(lambda: task_ended(after.id), what="a task sent after it to run")
+    assert task_started(second.id) == 0
     assert device_lock_state(device).queue == [holder(second.parent)]
     assert sim.received(device) == []
 

@@ -6,7 +6,6 @@ import json
 import logging
 import logging.config
 
-import paho.mqtt.client as mqtt
 import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
@@ -14,14 +13,16 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from devices.locks import device_lock_acquire, device_lock_dequeue, device_lock_release
-from devices.simulator import DeviceBehaviour
-from iotqueue.metrics import HISTOGRAM, Family, MetricsBatch, _histogram_metric
+from devtools.simulator import DeviceBehaviour
+from iotqueue import metrics
+from iotqueue.metrics import HISTOGRAM, Family, MetricsBatch, _histogram_metric, family_declare
 from iotqueue.redis_conn import redis_connection
 from jobs.events import event_record
 from jobs.models import JobRun, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobStepFactory, JobTemplateFactory, template_with_steps
+from tests.mqtt_device import mqtt_client
 
 TOKEN = "scrape-token-for-tests"
 FAMILIES = {
@@ -124,10 +125,7 @@ def test_metrics_count_runs_steps_replies_and_queues(stack, simulator, services,
 
     # and a malformed reply and a duplicate (stale) done arrive from the device
     command_id = StepRun.objects.get(run=ok_run).command_id
-    publisher = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2)
-    host, port = services.mqtt_url.rsplit("/", 1)[-1].split(":")
-    publisher.connect(host, int(port))
-    publisher.loop_start()
+    publisher = mqtt_client(services.mqtt_url)
     try:
         topic = f"{services.namespace}/{good.name}/done"
         publisher.publish(topic, b"\xff not json", qos=1).wait_for_publish(5)
@@ -184,9 +182,16 @@ def test_metrics_count_runs_steps_replies_and_queues(stack, simulator, services,
 # --- storage and failure modes ----------------------------------------------------------
 
 
-def test_histogram_buckets_are_cumulative_with_sum_and_count():
+@pytest.fixture
+def declare(monkeypatch):
+    """declare(family): a family counted by this test only (gone from /metrics after it)."""
+    monkeypatch.setattr(metrics, "_registry", dict(metrics._registry))
+    return family_declare
+
+
+def test_histogram_buckets_are_cumulative_with_sum_and_count(declare):
     # given a histogram observed below, between and above its buckets
-    family = Family("iotqueue_test_histogram_seconds", "test only", HISTOGRAM, buckets=(0.05, 0.1))
+    family = declare(Family("iotqueue_test_histogram_seconds", "test only", HISTOGRAM, buckets=(0.05, 0.1)))
     redis_connection().delete(family.key)
     MetricsBatch().observe(family, 0.03).observe(family, 0.07).observe(family, 0.1).observe(
         family, 9.0
@@ -205,14 +210,14 @@ def test_histogram_buckets_are_cumulative_with_sum_and_count():
 
 
 @pytest.mark.django_db
-def test_redis_down_loses_the_count_not_the_step(settings, caplog):
+def test_redis_down_loses_the_count_not_the_step(settings, caplog, declare):
     # given Redis unreachable
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     settings.IOTQUEUE_METRICS_TOKEN = TOKEN
     redis_connection.cache_clear()
     try:
         # then recording logs and goes on, and a scrape fails honestly
-        family = Family("iotqueue_test_total", "test only", "counter")
+        family = declare(Family("iotqueue_test_total", "test only", "counter"))
         with caplog.at_level(logging.WARNING, logger="iotqueue.metrics"):
             MetricsBatch().count(family).send()
         assert "not recorded" in caplog.text

@@ -3,7 +3,10 @@ run timeline, device lock columns, permissions, and a query count that does not 
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from django.contrib import admin
 from django.contrib.auth.models import Permission, User
 from django.contrib.messages import get_messages
 from django.db import connection
@@ -13,7 +16,9 @@ from django.utils.html import escape
 
 from devices.locks import device_lock_acquire, device_lock_dequeue, device_lock_state, lock_epoch_start
 from devices.models import DeviceGroup
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
+from jobs.admin.display import json_block
+from jobs.admin.runs import JobRunAdmin
 from jobs.models import JobRun, JobStep, RunEvent, RunStatus, StepRun, StepStatus, Trigger
 from jobs.services import template_plan
 from jobs.timeline import EVENTS_SHOWN
@@ -129,6 +134,7 @@ STEP_DEFAULTS = {
     "group": "",
     "labels": "{}",
     "timeout_seconds": 60,
+    "max_extend_seconds": 3600,
     "ack_timeout_seconds": 0,
     "queue_timeout_seconds": 600,
     "delay_seconds": 0,
@@ -141,6 +147,11 @@ STEP_DEFAULTS = {
     "max_in_flight": 0,
     "abort_failure_percent": "",
     "abort_min_devices": 0,
+    "abort_criteria": "[]",
+    "rollout_increment_factor": 1.0,
+    "rollout_increment_every": 0,
+    "rollout_increment_on": "succeeded",
+    "rollout_max_per_minute": 0,
     "success_percent": 100,
 }
 
@@ -204,7 +215,9 @@ def test_bad_step_errors_show_on_the_step_fields(client, boss):
     response = client.post("/admin/jobs/jobtemplate/add/", template_form("Broken-3", steps))
     assert response.status_code == 200
     forms = response.context["inline_admin_formsets"][0].formset.forms
-    assert forms[0].errors["device"] == ["Choose exactly one target: device, device_param, group or labels."]
+    assert forms[0].errors["device"] == [
+        "Choose exactly one target: device, device_param, group, labels or selector."
+    ]
     assert forms[1].errors["delay_seconds"] == ["A delay step needs delay_seconds > 0."]
     assert forms[2].errors["action"] == ["Use letters, digits and . _ / - only."]
 
@@ -473,3 +486,50 @@ def test_run_now_runs_on_simulated_devices_and_the_timeline_follows(stack, simul
     page = client.get(f"/admin/jobs/jobrun/{run.pk}/change/").text
     assert page.count('<span class="iq-status iq-status-succeeded">succeeded</span>') >= 3  # run + 2 steps
     assert escape('{"level":80}') in page  # the args the lamp got
+
+
+def nested_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_run_page_shows_parameters_nested_beyond_the_limit_on_one_line(client, boss, template):
+    # given parameters stored before the depth limit, deeper than it
+    run = run_make(template, parameters={"deep": nested_list(40)})
+
+    response = client.get(f"/admin/jobs/jobrun/{run.pk}/change/")
+
+    assert response.status_code == 200
+    assert escape(json.dumps({"deep": nested_list(40)})) in response.text
+
+
+def test_run_page_parameters_too_deep_for_python_are_named_not_a_500():
+    # a depth no JSON encoder of Python's recurses through (the API took ~900 before the limit)
+    run = JobRun(parameters={"deep": nested_list(5000)}, plan=[nested_list(5000)])
+    run_admin = JobRunAdmin(JobRun, admin.site)
+
+    assert run_admin.parameters_json(run) == "<pre>(nested too deeply to show)</pre>"
+    assert run_admin.plan_json(run) == "<pre>(nested too deeply to show)</pre>"
+
+
+def test_json_block_indents_what_it_can():
+    assert json_block({"a": [1]}) == "<pre>{\n  &quot;a&quot;: [\n    1\n  ]\n}</pre>"
+
+
+def test_admin_forms_refuse_json_nested_too_deep_instead_of_a_500(client, boss, template):
+    deep = "[" * 5000 + "]" * 5000  # Python's decoder recurses out on this
+    # the Run now form
+    response = client.post(f"/admin/jobs/jobtemplate/{template.pk}/run/", {"parameters": deep})
+    assert response.status_code == 200 and "levels deep" in response.text
+    # and a device's config
+    device = DeviceFactory()
+    response = client.post(
+        f"/admin/devices/device/{device.pk}/change/",
+        {"name": device.name, "labels": "{}", "config": deep, "min_interval_seconds": 0, "max_per_minute": 0},
+    )
+    assert response.status_code == 200 and "levels deep" in response.text
+    device.refresh_from_db()
+    assert device.config == {}
+    assert not JobRun.objects.exists()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.django_db
 
 
 def provisioning(devices) -> dict:
-    """SCENARIOS #3 as a REST body."""
+    """The provisioning job (check, init_instance, deduct, with rollback) as a REST body."""
     check, mysql, billing = devices
     return {
         "name": "Provision DB",
@@ -107,7 +107,15 @@ def test_devices_crud_filters_and_lock_state(admin_api):
     DeviceFactory(labels={"site": "paris"})
     names = [d["name"] for d in admin_api.get("/api/devices/?label=site=berlin").json()["results"]]
     assert names == ["pump-7"]
-    assert admin_api.get("/api/devices/?label=site__x=1").status_code == 400
+    # a key is one JSON key, never a lookup path: `a__b` and `contains` match nothing here
+    DeviceFactory(name="odd-1", labels={"a__b": "1", "contains": "x"})
+    for selector, expected in (("a__b=1", ["odd-1"]), ("contains=x", ["odd-1"]), ("site__x=1", [])):
+        found = admin_api.get(f"/api/devices/?label={selector}")
+        assert [d["name"] for d in found.json()["results"]] == expected, selector
+    for bad in ("label=site", "label==berlin", "online=maybe", "page_size=abc", "page_size=501", "page=0"):
+        answer = admin_api.get(f"/api/devices/?{bad}")
+        assert answer.status_code == 400 and bad.split("=")[0] in answer.json(), bad
+    assert admin_api.get("/api/devices/?page=9").status_code == 404
 
     from devices.locks import lock_epoch_start
 
@@ -281,3 +289,33 @@ def test_nul_characters_in_a_form_body_are_a_400(admin_api):
     assert response.status_code == 400 and "template" in response.json()["detail"]
     form = admin_api.post("/api/runs/", "template=a%00b", content_type="application/x-www-form-urlencoded")
     assert form.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "selector",
+    [{"group": ""}, {"labels": {}}, {"group": "", "labels": {}}, {"group": None}, {"labels": []}, {}],
+)
+def test_for_each_with_an_empty_selector_is_400_not_a_run_on_every_device(admin_api, selector):
+    from jobs.models import JobRun
+    from tests.factories import template_with_steps
+
+    # given enabled devices an empty selector would match
+    template = template_with_steps((DeviceFactory(), "on", {}))
+    DeviceFactory()
+
+    response = admin_api.post("/api/runs/", {"template": template.name, "for_each": selector}, format="json")
+
+    assert response.status_code == 400 and list(response.json()) == ["for_each"], response.json()
+    assert not JobRun.objects.exists()
+
+
+def test_the_service_refuses_an_empty_for_each_selector_too():
+    from jobs.services import RunStartError, run_start_each
+    from tests.factories import template_with_steps
+
+    template = template_with_steps((DeviceFactory(), "on", {}))
+
+    with pytest.raises(RunStartError) as refused:
+        run_start_each(template=template, group="", labels={})
+
+    assert refused.value.field == "for_each"

@@ -10,8 +10,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, OutputWrapper
 from django.utils import timezone
 
-from devices.simulator import DeviceBehaviour
-from iotqueue.processes import manage_argv
+from devtools.processes import manage_argv
+from devtools.simulator import DeviceBehaviour
 from jobs.cli import TerminalView, progress_bar, run_load, step_lines
 from jobs.models import JobRun, JobStep, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import template_plan
@@ -249,7 +249,7 @@ def test_run_start_rejects_bad_input_naming_it():
 
 @pytest.mark.django_db
 def test_a_fanout_step_is_one_summary_line_and_compensations_follow():
-    # given a run rolling back while its fan-out step (SCENARIOS #4) is half done
+    # given a run rolling back while its fan-out step (a nightly fleet update) is half done
     database, pumps = DeviceFactory(), [DeviceFactory(labels={"kind": "pump"}) for _ in range(4)]
     template = template_with_steps((database, "mysql/init_instance", {}))
     JobStep.objects.create(template=template, position=1, labels={"kind": "pump"}, action="firmware/check")

@@ -2,15 +2,15 @@
 
 import json
 
-import paho.mqtt.client as mqtt
 import pytest
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, StepStatus
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
+from tests.mqtt_device import mqtt_client
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -78,10 +78,7 @@ def test_bad_mqtt_input_is_dropped_and_recorded(stack, simulator, api, services)
     other = DeviceFactory()
     template = template_with_steps((device, "a", {}))
     prefix = services.namespace
-    client = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2)
-    host, port = services.mqtt_url.rsplit("/", 1)[-1].split(":")
-    client.connect(host, int(port))
-    client.loop_start()
+    client = mqtt_client(services.mqtt_url)
     try:
         # when garbage, an unknown command id and a reply from the wrong device arrive
         client.publish(f"{prefix}/{device.name}/done", b"\xff not json", qos=1).wait_for_publish(5)

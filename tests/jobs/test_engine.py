@@ -10,7 +10,7 @@ from devices.locks import (
     device_lock_release,
     device_lock_state,
 )
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from jobs.tasks import run_cancel_task

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunStatus
 from jobs.services import run_start
 from tests.conftest import wait_for

@@ -8,7 +8,7 @@ from django.core.management import call_command
 from rest_framework.test import APIClient
 
 from devices.locks import device_lock_state
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for

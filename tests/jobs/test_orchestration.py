@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from devices.models import DeviceGroup
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, JobStep, OnFailure, Phase, RunEvent, RunStatus, StepKind, StepRun, StepStatus
 from jobs.retention import runs_prune
 from jobs.services import run_start, run_start_each
@@ -66,7 +66,7 @@ def test_references_are_validated_when_the_template_is_saved():
 
 
 def test_rollback_runs_compensations_in_reverse_order(stack, simulator):
-    # given SCENARIOS #3: check -> init_instance (fails for good) -> deduct, with rollback
+    # given the provisioning job: check -> init_instance (fails for good) -> deduct, with rollback
     resource, mysql, billing = DeviceFactory(), DeviceFactory(), DeviceFactory()
     sim = simulator(
         {
@@ -192,7 +192,7 @@ def test_for_each_device_in_a_group_starts_one_run_per_device(stack, simulator):
 
 
 def test_flow_control_spaces_commands_to_slow_firmware(stack, simulator):
-    # given SCENARIOS #2: a terminal that needs at least 1 s between commands
+    # given a payment terminal that needs at least 1 s between commands
     terminal = DeviceFactory(min_interval_seconds=1.0)
     sim = simulator({terminal.name: DeviceBehaviour(latency_min_ms=5, latency_max_ms=10)})
     template = template_with_steps(*[(terminal, "add_person", {"n": n}) for n in range(3)])

@@ -6,7 +6,7 @@ import uuid
 import pytest
 from rest_framework.test import APIClient
 
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, Phase, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.retry import RetryError, run_retry
 from jobs.services import run_start, template_plan

@@ -1,13 +1,12 @@
 """Schedules: a real DatabaseScheduler beat fires them; the overlap policy decides each fire."""
 
-import time
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
-from devices.simulator import DeviceBehaviour
-from iotqueue.processes import Supervisor, beat_argv
+from devtools.processes import Supervisor, beat_argv
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, Trigger
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobTemplateFactory, template_with_steps
@@ -17,7 +16,8 @@ from triggers.schedules import schedule_fire, schedule_save
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 DATABASE_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
-# After disabling, beat must stay quiet for this many of the schedule's 1 s periods.
+# After disabling, beat must stay quiet while it sends another every-second schedule this
+# many times (each send is a tick in which the disabled one would have been due too).
 SETTLE_PERIODS = 3
 
 
@@ -40,11 +40,22 @@ def scheduled_runs(name: str):
     return JobRun.objects.filter(trigger=Trigger.SCHEDULE, triggered_by=f"schedule {name}")
 
 
+def sends(beat: Supervisor, schedule: str, *, since: int) -> int:
+    """How many times beat sent the schedule's task after log offset `since`."""
+    return beat.children["beat"].log_text()[since:].count(f"Sending due task iotqueue schedule {schedule} ")
+
+
 def test_schedule_from_rest_fires_through_beat_until_disabled(database_beat, simulator, admin_api):
-    # given a pump with a firmware-check template
-    pump = DeviceFactory()
-    simulator({pump.name: DeviceBehaviour()})
+    # given a pump with a firmware-check template, and beat already firing another schedule
+    # every second (on a lamp), whose sends show beat ticking
+    pump, lamp = DeviceFactory(), DeviceFactory()
+    simulator({pump.name: DeviceBehaviour(), lamp.name: DeviceBehaviour()})
     template = template_with_steps((pump, "firmware/check", {"channel": "{{ params.channel }}"}))
+    schedule_save(
+        schedule=Schedule(
+            name="lamp ping", template=template_with_steps((lamp, "ping", {})), interval_seconds=1
+        )
+    )
 
     # when a schedule firing every second is created over REST
     response = admin_api.post(
@@ -80,8 +91,13 @@ def test_schedule_from_rest_fires_through_beat_until_disabled(database_beat, sim
     # then beat notices, stops sending it, and no run starts any more
     database_beat.wait_for_log("beat", r"DatabaseScheduler: Schedule changed", since=log_offset)
     noticed = database_beat.log_size("beat")
-    time.sleep(SETTLE_PERIODS)
-    assert "iotqueue schedule pump check" not in database_beat.children["beat"].log_text()[noticed:]
+    # What proves it: beat sends the lamp's schedule SETTLE_PERIODS more times; in each of
+    # those ticks the pump's, due every second as well, would have been sent too.
+    wait_for(
+        lambda: sends(database_beat, "lamp ping", since=noticed) >= SETTLE_PERIODS,
+        what=f"beat to send the other schedule {SETTLE_PERIODS} times",
+    )
+    assert sends(database_beat, "pump check", since=noticed) == 0
     assert scheduled_runs("pump check").count() == runs_when_disabled
 
 

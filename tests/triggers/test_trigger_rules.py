@@ -6,10 +6,11 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from devices.simulator import DeviceBehaviour
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, Trigger
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobTemplateFactory, template_with_steps
+from tests.mqtt_device import mqtt_client
 from triggers.models import TriggerRule
 from triggers.rules import trigger_message_handle
 
@@ -22,10 +23,7 @@ REPUBLISH_SECONDS = 0.5
 @pytest.fixture
 def sensor(services):
     """A door sensor: a plain MQTT client that publishes events."""
-    client = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2)
-    host, port = services.mqtt_url.rsplit("/", 1)[-1].split(":")
-    client.connect(host, int(port))
-    client.loop_start()
+    client = mqtt_client(services.mqtt_url)
     yield client
     client.loop_stop()
     client.disconnect()
@@ -52,7 +50,8 @@ def dropped_count() -> int:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
 def test_door_event_starts_a_run_end_to_end(stack, simulator, admin_api, sensor, services):
-    # given a camera, a "Door opened" template and a rule created over REST (SCENARIOS #5)
+    # given a camera, a "Door opened" template and a rule created over REST
+    # (a door sensor starts a camera snapshot)
     camera = DeviceFactory()
     sim = simulator({camera.name: DeviceBehaviour()})
     template = template_with_steps(

@@ -104,6 +104,8 @@ def test_trigger_rule_admin_validates_the_filter_and_references(browser, templat
         "idempotency_key": "{{ message.event_id }}",
         "priority": "",
         "enabled": "on",
+        "max_runs_per_minute": "60",
+        "max_active_runs": "10",
     }
     bad = browser.post("/admin/triggers/triggerrule/add/", {**rule, "topic_filter": "site/#/door"})
     assert set(bad.context["adminform"].form.errors) == {"topic_filter"}

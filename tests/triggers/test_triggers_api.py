@@ -17,7 +17,7 @@ def template():
 
 
 def nightly(template) -> dict:
-    """SCENARIOS #4: firmware check every night at 02:00 Berlin time."""
+    """The nightly fleet job: firmware check every night at 02:00 Berlin time."""
     return {
         "name": "nightly firmware check",
         "template": template.name,
@@ -113,7 +113,7 @@ def test_reader_may_list_but_not_create_and_unknown_is_404(admin_api, reader_api
 
 
 def door_rule(template) -> dict:
-    """SCENARIOS #5: a door sensor's event starts a camera snapshot."""
+    """A door sensor's event starts a camera snapshot."""
     return {
         "name": "door opened",
         "topic_filter": "site/berlin/door/+/opened",

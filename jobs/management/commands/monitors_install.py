@@ -1,15 +1,16 @@
-"""`manage.py monitors_install`: register the monitor's periodic task (idempotent)."""
+"""`manage.py monitors_install`: install the jobs app's periodic tasks in beat's table (idempotent)."""
 
-from django.conf import settings
 from django.core.management.base import BaseCommand
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+from jobs.beat import beat_entries
 
 
 class Command(BaseCommand):
     help = "Create or update the beat entries the engine needs; re-running changes nothing."
 
     def handle(self, *args, **options):
-        for name, entry in settings.CELERY_BEAT_SCHEDULE.items():
+        for name, entry in beat_entries().items():
             every = max(1, round(float(entry["schedule"])))
             interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=IntervalSchedule.SECONDS)
             task = PeriodicTask.objects.filter(name=name).first()

@@ -1,0 +1,103 @@
+"""Settings fail closed: without DEBUG, no process starts on a missing or published secret key,
+or without ALLOWED_HOSTS; the HTTPS settings default to secure. Each case imports the settings
+in a fresh interpreter, as a starting web, worker, beat or bridge process does."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# Names the test settings or a developer's shell may have set; each case sets its own.
+SETTINGS_ENV = ("DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "DJANGO_SETTINGS_MODULE")
+PRINT_SECURITY = (
+    "import json, iotqueue.settings as s; print(json.dumps({name: getattr(s, name) for name in "
+    "('DEBUG', 'SECURE_SSL_REDIRECT', 'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', "
+    "'SECURE_HSTS_SECONDS', 'SECURE_PROXY_SSL_HEADER')}))"
+)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_services():
+    """Override conftest's autouse fixture: importing settings needs no Redis or MQTT broker."""
+
+
+def settings_import(**env: str) -> subprocess.CompletedProcess:
+    base = {name: value for name, value in os.environ.items() if name not in SETTINGS_ENV}
+    return subprocess.run(
+        [sys.executable, "-c", PRINT_SECURITY],
+        cwd=PROJECT_ROOT,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def a_real_key() -> str:
+    return secrets.token_urlsafe(50)
+
+
+@pytest.mark.parametrize(
+    ("env", "refusal"),
+    [
+        ({"ALLOWED_HOSTS": "example.com"}, "SECRET_KEY is not set"),
+        (
+            {"SECRET_KEY": "dev-only-insecure-key-change-me", "ALLOWED_HOSTS": "example.com"},
+            "published development key",
+        ),
+        ({"SECRET_KEY": "django-insecure-" + a_real_key(), "ALLOWED_HOSTS": "example.com"}, "published"),
+        ({"SECRET_KEY": "too-short", "ALLOWED_HOSTS": "example.com"}, "fewer than 50 characters"),
+        ({"SECRET_KEY": "ab" * 40, "ALLOWED_HOSTS": "example.com"}, "distinct characters"),
+        ({"SECRET_KEY": a_real_key()}, "ALLOWED_HOSTS is not set"),
+    ],
+)
+def test_without_debug_settings_refuse_to_load(env, refusal):
+    # given no DEBUG and a missing or weak secret, or no hosts
+    # when a process loads the settings
+    result = settings_import(**env)
+
+    # then it stops with ImproperlyConfigured, saying what is wrong
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr and refusal in result.stderr, result.stderr
+
+
+def test_without_debug_a_real_key_and_hosts_load_with_secure_defaults():
+    # given a real key and hosts, DEBUG unset
+    result = settings_import(SECRET_KEY=a_real_key(), ALLOWED_HOSTS="example.com")
+
+    # then the settings load, in production mode, with HTTPS-only defaults
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert loaded["DEBUG"] is False
+    assert loaded["SECURE_SSL_REDIRECT"] and loaded["SESSION_COOKIE_SECURE"] and loaded["CSRF_COOKIE_SECURE"]
+    assert loaded["SECURE_HSTS_SECONDS"] >= 365 * 24 * 3600
+    assert loaded["SECURE_PROXY_SSL_HEADER"] is None
+
+
+def test_the_proxy_header_comes_from_the_environment():
+    result = settings_import(
+        SECRET_KEY=a_real_key(),
+        ALLOWED_HOSTS="example.com",
+        SECURE_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO,https",
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["SECURE_PROXY_SSL_HEADER"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+
+
+def test_debug_runs_on_development_defaults():
+    # given DEBUG=true and nothing else, as the dev stack and the test suite run
+    result = settings_import(DEBUG="true")
+
+    # then the settings load without a secret key or hosts, and without HTTPS-only cookies
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert (
+        loaded["DEBUG"] is True and not loaded["SESSION_COOKIE_SECURE"] and not loaded["SECURE_SSL_REDIRECT"]
+    )

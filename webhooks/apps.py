@@ -1,0 +1,20 @@
+"""The webhooks app: hooks the run lifecycle of jobs.events to the ways events leave."""
+
+from django.apps import AppConfig
+
+
+class WebhooksConfig(AppConfig):
+    default_auto_field = "django.db.models.BigAutoField"
+    name = "webhooks"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
+        from jobs.events import lifecycle_events
+
+        from . import outbox
+        from .models import Webhook
+
+        lifecycle_events.connect(outbox.lifecycle_events_received, dispatch_uid="webhooks.lifecycle_events")
+        for signal in (post_save, post_delete):
+            signal.connect(outbox.webhooks_changed, sender=Webhook, dispatch_uid=f"webhooks.changed.{signal}")

@@ -1,0 +1,170 @@
+"""From the run timeline to the outside: lifecycle events to MQTT, webhooks and admins' mail.
+
+The engine sends `jobs.events.lifecycle_events` inside its transaction. The receiver here
+does no query: it turns the events into JSON and, after the commit, sends one
+`webhooks.events_out` task for them (none when nothing would consume them). That task reads
+the runs once, publishes the MQTT events, creates a Delivery per matching webhook and
+enqueues their `webhooks.deliver` tasks, and the failed-run mail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+
+from iotqueue.mqtt import publisher
+from jobs.models import JobRun, RunEvent
+
+from .models import Delivery, Webhook
+
+log = logging.getLogger(__name__)
+
+EVENTS_OUT_TASK = "webhooks.events_out"
+DELIVER_TASK = "webhooks.deliver"
+FAILED_RUN_MAIL_TASK = "webhooks.failed_run_mail"
+# Runs that ended badly: what the failed-run mail is about.
+FAILED_RUN_KINDS = frozenset({"run.failed", "run.timed_out", "run.compensated"})
+# A process re-reads "is any webhook enabled?" at most this often (seconds) unless a
+# webhook is saved in it; a webhook created elsewhere gets events within this long when
+# neither MQTT events nor mail would send them out anyway.
+WEBHOOKS_ANY_TTL_SECONDS = 5.0
+_webhooks_any: tuple[float, bool] = (0.0, False)
+
+
+def events_topic(run_id: str) -> str:
+    """P/events/runs/<run id>: where a run's lifecycle events are published."""
+    return f"{settings.IOTQUEUE_TOPIC_PREFIX}/events/runs/{run_id}"
+
+
+def webhooks_changed(sender, **kwargs) -> None:
+    """post_save / post_delete of Webhook: this process reads the flag again."""
+    global _webhooks_any
+    _webhooks_any = (0.0, False)
+
+
+def webhooks_any_enabled() -> bool:
+    """Whether an enabled webhook exists, cached per process (one query per TTL at most)."""
+    global _webhooks_any
+    read_at, found = _webhooks_any
+    now = time.monotonic()
+    if now - read_at > WEBHOOKS_ANY_TTL_SECONDS:
+        found = Webhook.objects.filter(enabled=True).exists()
+        _webhooks_any = (now, found)
+    return found
+
+
+def events_wanted() -> bool:
+    return settings.IOTQUEUE_RUN_EVENTS_MQTT or settings.IOTQUEUE_FAILED_RUN_EMAIL or webhooks_any_enabled()
+
+
+def event_item(event: RunEvent) -> dict[str, Any]:
+    """The JSON-safe part of an event that the events_out task needs."""
+    return {
+        "kind": event.kind,
+        "run": str(event.run_id) if event.run_id else None,
+        "time": event.created_at.isoformat() if event.created_at else None,
+        "message": event.message,
+        "step": event.data.get("index"),
+        "device": event.device,
+    }
+
+
+def lifecycle_events_received(sender, events: list[RunEvent], **kwargs) -> None:
+    """jobs.events.lifecycle_events: one events_out task after the commit, if anyone listens.
+
+    A failure to enqueue is logged (robust on_commit), never raised into the engine.
+    """
+    if not events_wanted():
+        return
+    items = [event_item(event) for event in events]
+    transaction.on_commit(lambda: _events_out_enqueue(items), robust=True)
+
+
+def _events_out_enqueue(items: list[dict[str, Any]]) -> None:
+    current_app.signature(EVENTS_OUT_TASK, kwargs={"events": items}).delay()
+
+
+def event_payload(item: dict[str, Any], run: JobRun | None) -> dict[str, Any]:
+    """What a webhook receives and the MQTT event carries (docs/orchestration.md).
+
+    `status`: for a run.* event, the run status it reports (running for run.started); for a
+    step.* event, the step's outcome (failed, timed_out, aborted).
+    """
+    kind = item["kind"]
+    subject, _, name = kind.partition(".")
+    status = "running" if kind == "run.started" else name
+    quiet = kind in ("run.started", "run.succeeded")  # their message is not an error
+    return {
+        "kind": kind,
+        "run": item["run"],
+        "template": run.template.name if run is not None else None,
+        "status": status,
+        "time": item["time"],
+        "error": "" if quiet else item["message"],
+        "step": None if subject == "run" else {"index": item["step"], "device": item["device"]},
+    }
+
+
+def events_out(*, events: list[dict[str, Any]]) -> None:
+    """Publish, deliver and mail a group of lifecycle events (the events_out task)."""
+    run_ids = {item["run"] for item in events if item["run"]}
+    runs = {str(run.pk): run for run in JobRun.objects.select_related("template").filter(pk__in=run_ids)}
+    payloads = [(event_payload(item, runs.get(item["run"])), runs.get(item["run"])) for item in events]
+    if settings.IOTQUEUE_RUN_EVENTS_MQTT:
+        mqtt_events_publish([payload for payload, _ in payloads])
+    deliveries_create(payloads)
+    if settings.IOTQUEUE_FAILED_RUN_EMAIL:
+        for payload, _ in payloads:
+            if payload["kind"] in FAILED_RUN_KINDS:
+                current_app.signature(FAILED_RUN_MAIL_TASK, kwargs={"event": payload}).delay()
+
+
+def mqtt_events_publish(payloads: list[dict[str, Any]]) -> None:
+    """Hand the events to this process's MQTT client (QoS 1) without waiting for the broker.
+
+    A message that cannot even be queued is logged and dropped: events are a notification,
+    the run's timeline is the record.
+    """
+    messages = [
+        (events_topic(payload["run"]), json.dumps(payload, separators=(",", ":")).encode())
+        for payload in payloads
+        if payload["run"]
+    ]
+    try:
+        outcomes = publisher.publish_nowait(messages)
+    except Exception:
+        log.exception("run events: MQTT publish failed")
+        return
+    for (topic, _), outcome in zip(messages, outcomes, strict=True):
+        if isinstance(outcome, str):
+            log.warning("run events: %s not published: %s", topic, outcome)
+
+
+def deliveries_create(payloads: list[tuple[dict[str, Any], JobRun | None]]) -> list[Delivery]:
+    """A Delivery per (event, enabled webhook that wants it); their tasks go after commit."""
+    webhooks = list(Webhook.objects.filter(enabled=True))
+    deliveries = [
+        Delivery(webhook=webhook, kind=payload["kind"], run_id=payload["run"], payload=payload)
+        for payload, run in payloads
+        for webhook in webhooks
+        if payload["kind"] in webhook.events
+        and (webhook.template_id is None or (run is not None and run.template_id == webhook.template_id))
+    ]
+    if not deliveries:
+        return []
+    with transaction.atomic():
+        deliveries = Delivery.objects.bulk_create(deliveries)
+        ids = [delivery.pk for delivery in deliveries]
+        transaction.on_commit(lambda: _deliver_enqueue(ids))
+    return deliveries
+
+
+def _deliver_enqueue(ids: list[int]) -> None:
+    for delivery_id in ids:
+        current_app.signature(DELIVER_TASK, kwargs={"delivery_id": delivery_id, "attempt": 1}).delay()
