@@ -96,9 +96,12 @@ def machine_summary() -> dict[str, Any]:
 
 
 def machine_describe(
-    *, redis_kind: str, mqtt_kind: str, database: str, load_at_start: list[float]
+    *, redis_kind: str, mqtt_kind: str, database: str, load_at_start: list[float], code: bool = True
 ) -> dict[str, Any]:
-    """Everything a later reader needs to compare a result file with another one."""
+    """Everything a later reader needs to compare a result file with another one.
+
+    `code=False` leaves out the commit and modified files (no `git` is run).
+    """
     return {
         **machine_summary(),
         "cpu_model": _cpu_model(),
@@ -113,7 +116,7 @@ def machine_describe(
         # means the result understates the system.
         "load_average_at_start": load_at_start,
         "load_average_at_end": _load_average(),
-        "code": code_describe(),
+        **({"code": code_describe()} if code else {}),
     }
 
 

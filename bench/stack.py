@@ -94,7 +94,9 @@ class BenchStack:
             worker, bridge = sql_counted(worker, "worker"), sql_counted(bridge, "bridge")
         self.child_start("worker", worker)
         self.child_start("bridge", bridge)
-        self.child_start("beat", beat_argv(self.workdir, scheduler="celery.beat:PersistentScheduler"))
+        self.child_start(
+            "beat", beat_argv(self.workdir, scheduler="iotqueue.beat_lease:LeasedPersistentScheduler")
+        )
         deadline = time.monotonic() + EPOCH_TIMEOUT_SECONDS
         while not lock_epoch_exists():
             if time.monotonic() > deadline:
@@ -160,17 +162,20 @@ def _database_create(exits: ExitStack, *, workdir: Path, namespace: str, server_
     return urlunsplit(parsed._replace(path=f"/{namespace}"))
 
 
-def stack_open(exits: ExitStack, *, database_url: str | None = None) -> BenchStack:
+def stack_open(
+    exits: ExitStack, *, database_url: str | None = None, mosquitto_options: tuple[str, ...] = ()
+) -> BenchStack:
     """Start Redis and the broker, point this process's settings at them, migrate a fresh DB.
 
-    Must run before django.setup() anywhere else: settings are read from os.environ once.
+    `mosquitto_options`: extra lines for the broker's config (devtools.servers). Must run
+    before django.setup() anywhere else: settings are read from os.environ once.
     """
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     workdir = SCRATCH_ROOT / f"{stamp}-{os.getpid()}"
     workdir.mkdir(parents=True)
     redis = redis_start(workdir)
     exits.callback(redis.stop)
-    broker = mqtt_broker_start(workdir)
+    broker = mqtt_broker_start(workdir, mosquitto_options=mosquitto_options)
     exits.callback(broker.stop)
     namespace = f"bench{uuid.uuid4().hex[:8]}"
     database = _database_create(exits, workdir=workdir, namespace=namespace, server_url=database_url)

@@ -17,6 +17,10 @@ its own.
 How it fails: both run in whichever process calls them (the monitor tick, a worker that
 found NotReady). Only one process rebuilds at a time (a Redis flag with an expiry that
 bounds a crashed rebuilder); the others find NotReady again and retry on the next tick.
+The lock state is sharded (devices/locks.py), each shard with its own epoch; a missing
+epoch in any shard (a Redis restart, a cluster node that lost its data, a new shard count)
+counts as a loss of all: the whole state is rebuilt (restoring is idempotent for the
+shards that kept theirs), and a shard without its epoch grants nothing until then.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from celery import current_app
 
-from iotqueue.redis_conn import redis_connection, redis_key
+from iotqueue.redis_conn import lock_redis_connection, redis_key
 
 from .locks import (
     Grant,
@@ -105,7 +109,7 @@ def device_lease_reclaim(*, device: str, holder: str, fence: int) -> None:
 def locks_maintain() -> dict[str, int]:
     """One maintenance pass: rebuild lost lock state, hand expired leases to reclaim tasks.
 
-    Cheap when nothing is wrong (two Redis calls). Returns counts for logs and metrics.
+    Cheap when nothing is wrong (two Redis round trips). Returns counts for logs and metrics.
     """
     rebuilt = 0 if lock_epoch_exists() else int(locks_rebuild())
     expired = device_lock_expired(limit=LEASE_CLAIM_BATCH, claim_seconds=LEASE_CLAIM_SECONDS)
@@ -121,7 +125,7 @@ def locks_rebuild() -> bool:
     sources have seen, each executing holder gets its lock back, then grants resume and the
     after-rebuild hooks let waiting holders ask again. False if another process is at it.
     """
-    conn = redis_connection()
+    conn = lock_redis_connection()
     if not conn.set(redis_key("lock-rebuild"), "1", nx=True, ex=REBUILD_LOCK_SECONDS):
         return False
     try:

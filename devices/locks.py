@@ -11,6 +11,14 @@ retried or the monitor rescues the step). A holder that dies keeps the lock unti
 lease expires; the monitor then reclaims it. A release by a stale holder (wrong fence) is
 refused and changes nothing. The database stays the authority on which attempt is
 current: the fence is stored on the step row and replies are checked against it.
+
+Where the keys live: on `lock_redis_connection()` (LOCK_REDIS_URL, by default REDIS_URL's
+server; it may be a Redis Cluster). The lock space is cut into IOTQUEUE_LOCK_SHARDS shards
+(`lock_shard(device)`: crc32 of the name); a device's keys and its shard's lease index,
+queue arrival counter and epoch (and the jobs app's deadline set of that shard) carry the
+shard's hash tag `{<prefix>:<shard>/<shards>}`, so each script call touches one hash slot.
+A LockBatch makes one script call per shard on a cluster (sent together in one pipeline),
+and one call for all its shards on a single Redis: one round trip either way.
 """
 
 from __future__ import annotations
@@ -19,14 +27,18 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from redis.cluster import RedisCluster
+from redis.commands.core import Script
+from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
-from iotqueue.redis_conn import redis_connection, redis_key
+from iotqueue.redis_conn import lock_redis_connection, redis_key
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +75,127 @@ class LockState:
     queue: list[str]
 
 
-@functools.cache
-def _script(name: str):
-    return redis_connection().register_script((LUA_DIR / f"{name}.lua").read_text())
+# --- shards and keys ----------------------------------------------------------------------
+
+
+def lock_shards() -> int:
+    return settings.IOTQUEUE_LOCK_SHARDS
+
+
+def lock_shard(name: str) -> int:
+    """The shard of a device (or of any name routed like one): stable across processes."""
+    return zlib.crc32(name.encode()) % lock_shards()
+
+
+def shard_tag(shard: int) -> str:
+    """The hash tag of a shard's keys. The shard count is part of it, so a new count gives
+    new keys without an epoch: the locks are rebuilt instead of read under the wrong shard."""
+    return "{" + f"{settings.IOTQUEUE_REDIS_KEY_PREFIX}:{shard}/{lock_shards()}" + "}"
+
+
+def shard_key(name: str, shard: int) -> str:
+    """A per-shard key, e.g. iq:leases:{iq:3/16}."""
+    return redis_key(name, shard_tag(shard))
 
 
 def _keys(device: str) -> dict[str, str]:
-    # The {device} hash tag keeps one device's keys in one Redis Cluster slot.
-    tag = "{" + device + "}"
+    # One tag per key, the shard's: a device's keys and its shard's globals share a slot.
+    shard = lock_shard(device)
+    tag = shard_tag(shard)
     return {
-        "lock": redis_key("lock", tag),
-        "fence": redis_key("fence", tag),
-        "queue": redis_key("queue", tag),
-        "leases": redis_key("leases"),
-        "seq": redis_key("queue-seq"),
-        "epoch": redis_key("lock-epoch"),
+        "lock": redis_key("lock", tag, device),
+        "fence": redis_key("fence", tag, device),
+        "queue": redis_key("queue", tag, device),
+        "leases": shard_key("leases", shard),
+        "seq": shard_key("queue-seq", shard),
+        "epoch": shard_key("lock-epoch", shard),
     }
+
+
+# --- scripts ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _script(name: str) -> Script:
+    # Not bound to a client: each call names the lock Redis of the moment.
+    return Script(None, (LUA_DIR / f"{name}.lua").read_bytes())
+
+
+def _call(name: str, keys: list, args: list) -> Any:
+    """One script call (Script loads the script into a server that lacks it and retries)."""
+    return _script(name)(keys=keys, args=args, client=lock_redis_connection())
+
+
+def scripts_call(calls: Sequence[tuple[Script, Sequence, Sequence]]) -> list:
+    """Script calls (script, keys, args) sent together; their replies, in order.
+
+    On a single Redis: one pipeline, one round trip. On a cluster (whose pipelines refuse
+    scripts): one pipeline per node that owns the calls' slots (a call's keys are in one
+    slot), sent to the nodes one after the other; a call refused because its slot moved is
+    sent again through the cluster client, which follows the redirection. A call refused
+    with NOSCRIPT ran nothing: the script is loaded and those calls are sent again. Any other
+    error is raised; on a cluster, the calls that went to other nodes may have run.
+    """
+    conn = lock_redis_connection()
+    if not isinstance(conn, RedisCluster):
+        return _pipelined(conn, calls)
+    by_node: dict[str, list[int]] = {}
+    nodes = {}
+    for i, (_, keys, _) in enumerate(calls):
+        node = conn.get_node_from_key(keys[0])
+        nodes[node.name] = node
+        by_node.setdefault(node.name, []).append(i)
+    results: list = [None] * len(calls)
+    for name, indices in by_node.items():
+        replies = _pipelined(nodes[name].redis_connection, [calls[i] for i in indices], raise_on_error=False)
+        for i, reply in zip(indices, replies, strict=True):
+            if isinstance(reply, MovedError | AskError | TryAgainError | ClusterDownError):
+                script, keys, args = calls[i]
+                reply = script(keys=keys, args=args, client=conn)
+            elif isinstance(reply, Exception):
+                raise reply
+            results[i] = reply
+    return results
+
+
+def _pipelined(
+    conn: Any, calls: Sequence[tuple[Script, Sequence, Sequence]], *, raise_on_error: bool = True
+) -> list:
+    """The calls in one pipeline of one server; NOSCRIPT loads the script and sends again."""
+    results: list = [None] * len(calls)
+    pending = list(range(len(calls)))
+    for attempt in range(2):
+        with conn.pipeline(transaction=False) as pipe:
+            for i in pending:
+                script, keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+        missing = []
+        for i, reply in zip(pending, replies, strict=True):
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                missing.append(i)
+            elif isinstance(reply, Exception) and raise_on_error:
+                raise reply
+            else:
+                results[i] = reply
+        if not missing:
+            break
+        for script in {calls[i][0].sha: calls[i][0] for i in missing}.values():
+            conn.script_load(script.script)
+        pending = missing
+    return results
+
+
+def fair_shares(counts: Sequence[int], limit: int) -> list[int]:
+    """Split `limit` among shards that have counts[i] items each, max-min fair: all of a
+    shard's items if they fit, the rest shared evenly (claims across shards stay bounded)."""
+    shares = [0] * len(counts)
+    left = limit
+    order = sorted(range(len(counts)), key=counts.__getitem__)
+    for n, i in enumerate(order):
+        shares[i] = min(counts[i], left // (len(order) - n))
+        left -= shares[i]
+    return shares
 
 
 def _ms(seconds: float) -> int:
@@ -94,7 +211,8 @@ def device_lock_acquire(
     waiting until `lock_epoch_start` has run after the locks were rebuilt.
     """
     k = _keys(device)
-    granted, value = _script("acquire")(
+    granted, value = _call(
+        "acquire",
         keys=[k["lock"], k["fence"], k["queue"], k["leases"], k["seq"], k["epoch"]],
         args=[holder, priority, _ms(lease_seconds), device],
     )
@@ -115,7 +233,8 @@ def device_lock_release(
     if lease_seconds is None:
         lease_seconds = settings.IOTQUEUE_HANDOFF_LEASE_SECONDS
     k = _keys(device)
-    reply = _script("release")(
+    reply = _call(
+        "release",
         keys=[k["lock"], k["fence"], k["queue"], k["leases"]],
         args=[holder, fence, _ms(lease_seconds), device, "force" if force else ""],
     )
@@ -126,18 +245,21 @@ def device_lock_release(
 
 @dataclass
 class LockBatch:
-    """Lock operations on many devices, applied in one atomic Redis call, in order.
+    """Lock operations on many devices, applied in one Redis round trip, in order per device.
 
     A batch of step transitions releases the locks of the attempts that ended (each
     handing its device to the head of the queue) and acquires for the steps that start,
     with writes to a sorted set (the jobs app's deadlines) that depend on whether each
     acquire was granted: one round trip instead of two per step. Add the releases before
     the acquires, so a device released and acquired in one batch serves its queue first.
+
+    The sorted set is sharded like the locks: an acquire's conditional writes go to its
+    device's shard; unconditional writes name their shard (`zset_add`, `zset_remove`).
     """
 
     ops: list[dict] = field(default_factory=list)
-    zadd: dict[str, float] = field(default_factory=dict)
-    zrem: list[str] = field(default_factory=list)
+    # shard -> {"zadd": {member: score}, "zrem": [member]}: written whatever the outcomes
+    writes: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def release(self, device: str, *, holder: str, fence: int) -> int:
         """Release (and hand on, lease IOTQUEUE_HANDOFF_LEASE_SECONDS); returns the op's index."""
@@ -155,7 +277,8 @@ class LockBatch:
         on_grant: dict[str, float] | None = None,
         on_queue: dict[str, float] | None = None,
     ) -> int:
-        """Acquire; `on_grant` / `on_queue` are {member: score} written per the outcome."""
+        """Acquire; `on_grant` / `on_queue` are {member: score} written, per the outcome, to
+        the device's shard of the sorted set."""
         self.ops.append(
             {
                 "o": "a",
@@ -169,29 +292,80 @@ class LockBatch:
         )
         return len(self.ops) - 1
 
+    def extend(self, device: str, *, holder: str, fence: int, lease_seconds: float) -> int:
+        """Push the lease out to now + lease_seconds if holder and fence still hold it
+        (`device_lock_extend`); its outcome is True, or False when the caller lost the lock."""
+        self.ops.append({"o": "e", "d": device, "h": holder, "f": fence, "l": _ms(lease_seconds)})
+        return len(self.ops) - 1
 
-def device_locks_apply(batch: LockBatch, *, zset: str) -> list[Grant | Queued | NotReady | None]:
-    """Apply a LockBatch atomically; one outcome per op, in order.
+    def zset_add(self, members: dict[str, float], *, shard: int) -> None:
+        """Add (or move) members of the sorted set's `shard`, whatever the outcomes."""
+        if members:
+            self.writes.setdefault(shard, {"zadd": {}, "zrem": []})["zadd"].update(members)
+
+    def zset_remove(self, members: Sequence[str], *, shard: int) -> None:
+        if members:
+            self.writes.setdefault(shard, {"zadd": {}, "zrem": []})["zrem"].extend(members)
+
+
+def device_locks_apply(
+    batch: LockBatch, *, zset: Callable[[int], str]
+) -> list[Grant | Queued | NotReady | bool | None]:
+    """Apply a LockBatch; one outcome per op, in order. `zset(shard)` names the sorted set's
+    key of a shard (it must carry `shard_tag(shard)`).
 
     A release gives the Grant it handed the lock on with, or None (free now, or the caller
     no longer held it: stale, nothing changed). An acquire gives Grant, Queued or NotReady,
-    as `device_lock_acquire`. Fails as the single calls do: RedisError to the caller, and
-    nothing applied (the script runs whole or not at all).
+    as `device_lock_acquire`. An extend gives True, or False when the caller no longer held
+    the lock. Fails as the single calls do: RedisError to the caller. On a
+    single Redis the batch is one script call, applied whole or not at all; on a cluster it
+    is one call per shard, each whole or not at all (a node failing mid-batch leaves the
+    other shards' calls applied: what the caller then leaves uncommitted ends as a lost
+    worker's batch does, by lease expiry and the monitor's sweep).
     """
-    if not batch.ops and not batch.zadd and not batch.zrem:
+    if not batch.ops and not batch.writes:
         return []
-    request = {
-        "ops": batch.ops,
-        "zadd": [[score, member] for member, score in batch.zadd.items()],
-        "zrem": batch.zrem,
-    }
-    reply = _script("transition")(
-        keys=[redis_key("leases"), redis_key("queue-seq"), redis_key("lock-epoch"), zset],
-        args=[redis_key("lock", ""), redis_key("fence", ""), redis_key("queue", ""), json.dumps(request)],
-    )
-    outcomes: list[Grant | Queued | NotReady | None] = []
-    for op, result in zip(batch.ops, json.loads(reply) or [], strict=True):
-        if op["o"] == "r":
+    by_shard: dict[int, list[int]] = {}
+    for index, op in enumerate(batch.ops):
+        by_shard.setdefault(lock_shard(op["d"]), []).append(index)
+    for shard in batch.writes:
+        by_shard.setdefault(shard, [])
+    # One call per shard on a cluster (one hash slot each), one call for all of them otherwise.
+    cluster = isinstance(lock_redis_connection(), RedisCluster)
+    calls = [[shard] for shard in by_shard] if cluster else [list(by_shard)]
+    requests = []
+    for shards in calls:
+        keys: list[str] = []
+        for shard in shards:
+            keys += [
+                shard_key("leases", shard),
+                shard_key("queue-seq", shard),
+                shard_key("lock-epoch", shard),
+                zset(shard),
+            ]
+        groups = []
+        for shard in shards:
+            ops = []
+            for index in by_shard[shard]:
+                op = batch.ops[index]
+                k = _keys(op["d"])
+                ops.append({**op, "k": len(keys) + 1})
+                keys += [k["lock"], k["fence"], k["queue"]]
+            writes = batch.writes.get(shard, {})
+            zadd = [[score, member] for member, score in writes.get("zadd", {}).items()]
+            groups.append({"ops": ops, "zadd": zadd, "zrem": writes.get("zrem", [])})
+        requests.append((_script("transition"), keys, [json.dumps({"groups": groups})]))
+    results: list = [None] * len(batch.ops)
+    for shards, reply in zip(calls, scripts_call(requests), strict=True):
+        # cjson writes an empty list as {}: read it as an empty one.
+        for shard, group in zip(shards, json.loads(reply) or [], strict=True):
+            for index, result in zip(by_shard[shard], group or [], strict=True):
+                results[index] = result
+    outcomes: list[Grant | Queued | NotReady | bool | None] = []
+    for op, result in zip(batch.ops, results, strict=True):
+        if op["o"] == "e":
+            outcomes.append(result[0] == 1)
+        elif op["o"] == "r":
             outcomes.append(Grant(result[1], int(result[2])) if result[0] == 1 else None)
         elif result[0] == 1:
             outcomes.append(Grant(op["h"], int(result[1])))
@@ -207,18 +381,22 @@ def device_lock_extend(
 ) -> bool:
     """Push the lease out to now + lease_seconds; False when the caller lost the lock.
 
-    With `pipe` the call joins that pipeline (and its answer comes with the pipeline's).
+    With `pipe` (a pipeline of a single lock Redis: a cluster's pipelines refuse scripts,
+    use `LockBatch.extend` there) the call joins that pipeline (and its answer comes with
+    the pipeline's).
     """
     k = _keys(device)
     answer = _script("extend")(
-        keys=[k["lock"], k["leases"]], args=[holder, fence, _ms(lease_seconds), device], client=pipe
+        keys=[k["lock"], k["leases"]],
+        args=[holder, fence, _ms(lease_seconds), device],
+        client=pipe if pipe is not None else lock_redis_connection(),
     )
     return bool(answer)
 
 
 def device_lock_dequeue(device: str, *, holder: str) -> bool:
     """Leave the device's wait queue (e.g. the run was canceled); False if not queued."""
-    return bool(redis_connection().zrem(_keys(device)["queue"], holder))
+    return bool(lock_redis_connection().zrem(_keys(device)["queue"], holder))
 
 
 def device_lock_state(device: str) -> LockState:
@@ -231,7 +409,7 @@ def device_lock_states(devices: list[str]) -> dict[str, LockState]:
 
     Not atomic across devices: each device's state is read as it is at that moment.
     """
-    with redis_connection().pipeline(transaction=False) as pipe:
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
         for device in devices:
             k = _keys(device)
             pipe.hgetall(k["lock"])
@@ -260,43 +438,73 @@ def device_queue_depths() -> dict[str, int]:
     """How many holders wait for each device that has any waiting (for /metrics).
 
     Redis deletes an empty sorted set, so only devices with waiters have a queue key: the
-    keys are found with SCAN (Redis stays responsive, unlike KEYS) and counted in one
-    pipeline. Costs O(keys in the database) per call: for a scrape every few seconds,
-    never for the engine's hot path.
+    keys are found with SCAN (Redis stays responsive, unlike KEYS; on a cluster, every
+    primary is scanned) and counted in one pipeline. Costs O(keys in the database) per
+    call: for a scrape every few seconds, never for the engine's hot path.
     """
-    conn = redis_connection()
-    head = redis_key("queue", "{")
+    conn = lock_redis_connection()
+    # iq:queue:{iq:<shard>/<shards>}:<device>
+    head = redis_key("queue", "{" + settings.IOTQUEUE_REDIS_KEY_PREFIX + ":")
+    tail = f"/{lock_shards()}" + "}:"
     # The key prefix is configuration: escape glob characters so it matches only itself.
-    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*}"
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*" + tail + "*"
     keys = sorted(set(conn.scan_iter(match=pattern, count=QUEUE_SCAN_BATCH)))
     with conn.pipeline(transaction=False) as pipe:
         for key in keys:
             pipe.zcard(key)
         depths = pipe.execute()
-    return {key[len(head) : -1]: depth for key, depth in zip(keys, depths, strict=True) if depth}
+    return {
+        key[len(head) :].partition(tail)[2]: depth for key, depth in zip(keys, depths, strict=True) if depth
+    }
 
 
 def device_lock_expired(*, limit: int, claim_seconds: float) -> list[tuple[str, Grant]]:
     """Devices whose holder's lease ran out, with that holder's grant, for reclaiming.
 
     Each returned lease is pushed out by `claim_seconds` so a concurrent or next monitor
-    tick does not reclaim it twice.
+    tick does not reclaim it twice. Every shard's lease index is read: one round trip
+    counts what expired per shard (the only one when nothing did), one more claims up to
+    `limit` of them in all, shared fairly among the shards (`fair_shares`).
     """
-    flat = _script("expired")(
-        keys=[redis_key("leases"), redis_key("lock", "")],
-        args=[int(time.time() * 1000), limit, _ms(claim_seconds)],
-    )
+    now = int(time.time() * 1000)
+    shards = range(lock_shards())
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for shard in shards:
+            pipe.zcount(shard_key("leases", shard), "-inf", now)
+        counts = pipe.execute()
+    calls = [
+        (
+            _script("expired"),
+            [shard_key("leases", shard)],
+            [now, share, _ms(claim_seconds), redis_key("lock", shard_tag(shard), "")],
+        )
+        for shard, share in zip(shards, fair_shares(counts, limit), strict=True)
+        if share
+    ]
+    flat = [item for reply in (scripts_call(calls) if calls else []) for item in reply]
     return [(flat[i], Grant(flat[i + 1], int(flat[i + 2]))) for i in range(0, len(flat), 3)]
 
 
+def lock_epoch_keys() -> list[str]:
+    """Every shard's epoch key (present while that shard's lock state is complete)."""
+    return [shard_key("lock-epoch", shard) for shard in range(lock_shards())]
+
+
 def lock_epoch_exists() -> bool:
-    """False after Redis lost its data: locks must be rebuilt before any grant."""
-    return bool(redis_connection().exists(redis_key("lock-epoch")))
+    """False after Redis lost its data (any shard's epoch is missing: a cluster node that
+    lost its data counts too): locks must be rebuilt before that shard grants again."""
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for key in lock_epoch_keys():
+            pipe.exists(key)
+        return all(pipe.execute())
 
 
 def lock_epoch_start() -> None:
-    """Declare the lock state complete; grants resume."""
-    redis_connection().set(redis_key("lock-epoch"), str(time.time()))
+    """Declare the lock state complete in every shard; grants resume."""
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for key in lock_epoch_keys():
+            pipe.set(key, str(time.time()))
+        pipe.execute()
 
 
 def device_lock_restore(
@@ -304,7 +512,8 @@ def device_lock_restore(
 ) -> None:
     """Rebuild a device's lock from the database: its executing holder and fence floor."""
     k = _keys(device)
-    _script("restore")(
+    _call(
+        "restore",
         keys=[k["lock"], k["fence"], k["leases"]],
         args=[holder or "", floor, _ms(lease_seconds), device, fence],
     )

@@ -48,7 +48,7 @@ def worker_argv(
 
 
 def beat_argv(state_dir: Path, *, scheduler: str = "") -> list[str]:
-    """Beat with the configured scheduler, or e.g. celery.beat:PersistentScheduler (a file)."""
+    """Beat with the configured scheduler, or e.g. iotqueue.beat_lease:LeasedPersistentScheduler (a file)."""
     extra = [f"--scheduler={scheduler}", f"--schedule={state_dir / 'beat-schedule'}"] if scheduler else []
     return celery_argv("beat", "--loglevel=INFO", f"--pidfile={state_dir / 'beat.pid'}", *extra)
 

@@ -155,13 +155,17 @@ def redis_start(workdir: Path, *, mode: str | None = None) -> EmbeddedServer:
     return _start(launch)
 
 
-def mqtt_broker_start(workdir: Path, *, mode: str | None = None) -> EmbeddedServer:
+def mqtt_broker_start(
+    workdir: Path, *, mode: str | None = None, mosquitto_options: tuple[str, ...] = ()
+) -> EmbeddedServer:
     """Start mosquitto (system; MQTT 5, $share) or amqtt (pip; MQTT 3.1.1 only) in workdir/"mqtt".
 
     Mosquitto runs as it does in production: no anonymous clients, identities and ACLs in
     its dynamic security plugin, the iotqueue service user in the returned URL
     (`mqtt://iotqueue:<password>@127.0.0.1:<port>`, `auth` "dynsec"). Without the plugin
     on this machine, and with amqtt, the broker is anonymous on 127.0.0.1 (`auth` "none").
+    `mosquitto_options`: extra lines for Mosquitto's config (e.g. "max_queued_messages 100000",
+    as deploy/mosquitto.conf sets); amqtt ignores them.
     Raises ValueError for an unknown mode, ServerStartError when no broker is available or it
     does not return a CONNACK within READY_TIMEOUT_SECONDS (the message carries its log tail).
     """
@@ -173,12 +177,13 @@ def mqtt_broker_start(workdir: Path, *, mode: str | None = None) -> EmbeddedServ
     if system:
         kind = "mosquitto (system)"
         plugin = dynsec_plugin_find()
-        lines = ["allow_anonymous true"]
+        lines = ["allow_anonymous true", *mosquitto_options]
         if plugin:
             auth, username, password = "dynsec", SERVICE_USER, dynsec.password_new()
             security = directory / "dynamic-security.json"
             dynsec.config_write(security, username, password, force=True)
-            lines = ["allow_anonymous false", f"plugin {plugin}", f"plugin_opt_config_file {security}"]
+            lines = ["allow_anonymous false", f"plugin {plugin}", f"plugin_opt_config_file {security}",
+                     *mosquitto_options]  # fmt: skip
 
         def argv(port: int) -> list[str]:
             # As root mosquitto would switch to user "mosquitto", who cannot write our workdir.

@@ -158,6 +158,9 @@ class Bridge:
         try:
             handler(topic, message.payload)
             self.stats["handled"] += 1
+            # By handler too, so each replica's stop line says what it handled (replies,
+            # presence, ...): how a shared group split the load shows per replica.
+            self.stats[f"handled:{getattr(handler, '__name__', 'handler')}"] += 1
         except Exception:
             # A handler that raises has recorded nothing it could redo (presence and
             # trigger messages come again by their nature); acknowledged, or the broker

@@ -177,6 +177,7 @@ class Control(ProcessClient):
             return []
         client = self._client_get()
         if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
+            self.close()  # the next call starts a fresh client (see Publisher._not_connected)
             address = broker_address()
             raise DynsecError(f"cannot administer the MQTT broker at {address.host}:{address.port}")
         batch = uuid.uuid4().hex

@@ -167,12 +167,18 @@ class Publisher(ProcessClient):
         """Start connecting now (non-blocking), so the first publish finds a live session."""
         self._client_get()
 
+    def _not_connected(self) -> str:
+        """Why a publish found no connection; the client is dropped, so the next publish
+        starts a fresh one (a client whose network thread died would never reconnect)."""
+        self.close()
+        address = broker_address()
+        return f"not connected to MQTT broker at {address.host}:{address.port}"
+
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
         """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
         client = self._client_get()
         if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
-            address = broker_address()
-            raise PublishError(f"not connected to MQTT broker at {address.host}:{address.port}")
+            raise PublishError(self._not_connected())
         info = client.publish(topic, payload, qos=qos, retain=retain)
         try:
             if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
@@ -202,8 +208,7 @@ class Publisher(ProcessClient):
             return []
         client = self._client_get()
         if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
-            address = broker_address()
-            return [f"not connected to MQTT broker at {address.host}:{address.port}"] * len(messages)
+            return [self._not_connected()] * len(messages)
         outcomes: list[Any] = []
         for topic, payload in messages:
             info = client.publish(topic, payload, qos=qos)

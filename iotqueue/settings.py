@@ -279,6 +279,17 @@ REDIS_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
 # first used (iotqueue/cache.py), so they follow this Redis and IOTQUEUE_REDIS_KEY_PREFIX.
 CACHES = {"default": {"BACKEND": "iotqueue.cache.ProjectRedisCache"}}
 
+# The device locks and the deadline sets (iotqueue/redis_conn.py): empty = REDIS_URL's server;
+# `redis+cluster://host:port` (`rediss+cluster://` with TLS) = a Redis Cluster, any node of it.
+LOCK_REDIS_URL = env("LOCK_REDIS_URL", default="")
+# Shards of the lock space: a device's lock keys, and the lease index, arrival counter, epoch
+# and deadline set they are written with, share one hash tag per shard (devices/locks.py).
+# Changing it renames every lock key: the locks are rebuilt from the database, as after a
+# Redis loss (docs/operations.md#locks-on-a-redis-cluster).
+IOTQUEUE_LOCK_SHARDS = env.int("IOTQUEUE_LOCK_SHARDS", default=16)
+if IOTQUEUE_LOCK_SHARDS < 1:
+    raise ImproperlyConfigured("IOTQUEUE_LOCK_SHARDS must be at least 1")
+
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=REDIS_URL)
 # Results are stored only by tasks that ask (CELERY_TASK_IGNORE_RESULT below): chords and
 # AsyncResult of canvas device commands (jobs/canvas.py) need a backend; Redis is it.
@@ -310,7 +321,12 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env.int("CELERY_VISIBIL
 # set; a step costs a few milliseconds, so a reconnect per task (PostgreSQL: a new backend)
 # would dominate. Connections are recycled every N tasks and checked before each one.
 CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=200)
-CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# django-celery-beat's DatabaseScheduler behind a lease in Redis (iotqueue/beat_lease.py):
+# any number of beats may run, one schedules and the others stand by.
+CELERY_BEAT_SCHEDULER = "iotqueue.beat_lease:LeasedDatabaseScheduler"
+# The beat lease's length: the holder renews it every third of this; a standby takes over
+# within about this long after the holder died (at once after a clean stop).
+IOTQUEUE_BEAT_LEASE_SECONDS = env.float("IOTQUEUE_BEAT_LEASE_SECONDS", default=10.0)
 # The monitor tick (timeouts, retries, lease reclaim); its period bounds how late a
 # deadline fires. The jobs app registers the tick and retention with beat (jobs/beat.py).
 IOTQUEUE_MONITOR_INTERVAL = env.float("IOTQUEUE_MONITOR_INTERVAL", default=1.0)

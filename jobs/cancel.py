@@ -63,7 +63,7 @@ def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANC
     ):
         return  # it moved on meanwhile; a finished attempt needs no cancel
     step_run.status = status
-    deadlines_clear([Deadline(kind, step_run.pk, step_run.attempt) for kind in KINDS])
+    deadlines_clear([Deadline.of(kind, step_run) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
         # A task step's body is not interrupted: its outcome will be stale.
         if not is_task_row(step_run):

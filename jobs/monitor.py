@@ -84,10 +84,13 @@ def reconcile() -> int:
     overdue = list(
         StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__lt=now - grace)
         .order_by("deadline")
-        .values_list("pk", "status", "attempt")[:CLAIM_BATCH]
+        .values_list("pk", "status", "attempt", "device__name")[:CLAIM_BATCH]
     )
     deadlines_set(
-        {Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt): now for pk, status, attempt in overdue}
+        {
+            Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt, device): now
+            for pk, status, attempt, device in overdue
+        }
     )
     # Runs past their max_duration whose `run` deadline was lost.
     expired = [

@@ -94,8 +94,10 @@ def steps_after_rebuild() -> None:
     """Grants resumed: put the rows' deadlines back, then every queued step asks again."""
     active = StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__isnull=False)
     entries = {
-        Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt): deadline
-        for pk, status, attempt, deadline in active.values_list("pk", "status", "attempt", "deadline")
+        Deadline(DEADLINE_KIND_FOR_STATUS[status], pk, attempt, device): deadline
+        for pk, status, attempt, deadline, device in active.values_list(
+            "pk", "status", "attempt", "deadline", "device__name"
+        )
     }
     if entries:
         deadlines_set(entries)

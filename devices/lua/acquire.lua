@@ -2,6 +2,7 @@
 -- KEYS[1] lock hash {holder, fence, since}   KEYS[2] fence counter   KEYS[3] wait queue (zset)
 -- KEYS[4] lease index (zset device -> lease expiry ms)   KEYS[5] queue arrival counter
 -- KEYS[6] epoch: exists while Redis holds the lock state; gone after Redis lost its data
+-- KEYS[4..6] are those of the device's lock shard, in the hash slot of KEYS[1..3] (devices/locks.py)
 -- ARGV[1] holder   ARGV[2] priority 0..9 (9 most urgent)   ARGV[3] lease ms   ARGV[4] device name
 -- Returns {1, fence} when granted (also when the caller already holds it: re-acquire is
 -- idempotent, so a redelivered task does not queue behind itself), {0, position} when

@@ -90,12 +90,8 @@ def attempt_outcome(
 
 def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadline], dict[Deadline, datetime]]:
     """The deadlines an ended attempt clears, and the retry deadline it sets (if any)."""
-    cleared = [Deadline(kind, step_run.pk, step_run.attempt) for kind in ATTEMPT_DEADLINES]
-    retry = (
-        {Deadline("retry", step_run.pk, step_run.attempt): outcome.changes["deadline"]}
-        if outcome.retry
-        else {}
-    )
+    cleared = [Deadline.of(kind, step_run) for kind in ATTEMPT_DEADLINES]
+    retry = {Deadline.of("retry", step_run): outcome.changes["deadline"]} if outcome.retry else {}
     return cleared, retry
 
 
@@ -205,7 +201,7 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
         event_record("reply.stale", step_run=step_run, message="extend_seconds after the attempt's deadline")
         return False
     step_run.deadline = deadline
-    deadlines_set({Deadline("done", step_run.pk, step_run.attempt): deadline})
+    deadlines_set({Deadline.of("done", step_run): deadline})
     device_lock_extend(
         step_run.device.name,
         holder=step_holder(step_run),

@@ -57,16 +57,15 @@ from devices.locks import (
     NotReady,
     Queued,
     device_lock_dequeue,
-    device_lock_extend,
     device_lock_handoff,
     device_lock_pass_on,
     device_locks_apply,
 )
 from devices.models import Device
-from iotqueue.redis_conn import redis_connection
+from iotqueue.redis_conn import lock_redis_connection, lock_redis_shared, redis_connection
 
 from .. import templating
-from ..deadlines import Deadline, deadline_score, deadlines_clear, deadlines_key, deadlines_set
+from ..deadlines import Deadline, by_shard, deadline_score, deadlines_clear, deadlines_key, deadlines_set
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
@@ -224,6 +223,7 @@ class _Batch:
         self.handed: list[tuple[str, Grant]] = []
         self.dispatches: list[StepRun] = []
         self.finally_: list[PipeHook] = []
+        self.run_deadlines: dict[Deadline, datetime] = {}  # written after the commit
 
     # --- 1. which runs start and which replies this batch applies --------------------
 
@@ -249,10 +249,9 @@ class _Batch:
         fields = ["status", "started_at", *(["deadline"] if timed else [])]
         if rows_update(JobRun, pending, fields, status_in=(RunStatus.PENDING,)) != len(pending):
             raise BatchConflict("a run started meanwhile")
-        if timed:
-            # max_duration: written after the commit, with the batch's last pipeline (a
-            # deadline that fired before the commit would find its run still pending).
-            self.finally_.append(lambda pipe: deadlines_set(timed, pipe=pipe))
+        # max_duration: written after the commit, with the batch's last pipeline (a
+        # deadline that fired before the commit would find its run still pending).
+        self.run_deadlines.update(timed)
 
     def classify(self, items: list[tuple[str, protocol.Reply]]) -> None:
         """Replies to current attempts are applied here; the rest go the general way."""
@@ -279,7 +278,7 @@ class _Batch:
         if step_run.status == StepStatus.DISPATCHED:
             step_run.status = StepStatus.IN_PROGRESS
             step_run.acked_at = step_run.acked_at or self.now
-            self.locks.zrem += [Deadline(k, step_run.pk, step_run.attempt).member for k in ("ack", "send")]
+            self._zset_remove([Deadline.of(kind, step_run) for kind in ("ack", "send")])
             self.events.add("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
         if reply.progress is not None:
             step_run.progress = reply.progress
@@ -314,8 +313,8 @@ class _Batch:
                 setattr(step_run, field, value)
             self.events.add(f"step.{outcome.status}", step_run=step_run, message=outcome.message)
             cleared, retry = attempt_deadlines(step_run, outcome)
-            self.locks.zrem += [d.member for d in cleared]
-            self.locks.zadd.update({d.member: deadline_score(when) for d, when in retry.items()})
+            self._zset_remove(cleared)
+            self._zset_add(retry)
             index = self.locks.release(
                 step_run.device.name, holder=step_holder(step_run), fence=step_run.fence
             )
@@ -415,10 +414,20 @@ class _Batch:
             self.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
             self._acquire(row)
 
+    def _zset_add(self, entries: dict[Deadline, datetime]) -> None:
+        """Deadlines the lock call writes whatever its outcomes, each in its shard."""
+        for shard, group in by_shard(entries).items():
+            self.locks.zset_add({d.member: deadline_score(entries[d]) for d in group}, shard=shard)
+
+    def _zset_remove(self, deadlines: list[Deadline]) -> None:
+        for shard, group in by_shard(deadlines).items():
+            self.locks.zset_remove([d.member for d in group], shard=shard)
+
     def _acquire(self, row: StepRun) -> None:
-        queue = {Deadline("queue", row.pk, row.attempt).member: deadline_score(row.deadline)}
+        # In the device's shard, as the lock call writes it (Deadline.of).
+        queue = {Deadline.of("queue", row).member: deadline_score(row.deadline)}
         if not row.device.reachable:
-            self.locks.zadd.update(queue)
+            self._zset_add({Deadline.of("queue", row): row.deadline})
             self.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
             return
         attempt = attempt_new(row, fence=0, now=self.now)
@@ -435,7 +444,7 @@ class _Batch:
     # --- 3. the lock call ------------------------------------------------------------
 
     def locks_apply(self) -> None:
-        self.outcomes = device_locks_apply(self.locks, zset=deadlines_key())
+        self.outcomes = device_locks_apply(self.locks, zset=deadlines_key)
         rebuild = False
         for index, outcome in enumerate(self.outcomes):
             if index in self.releases:
@@ -493,18 +502,19 @@ class _Batch:
                 ready.append((row, attempt_new(row, fence=grant.fence, now=self.now)))
         if not ready:
             return
-        with redis_connection().pipeline(transaction=False) as pipe:
-            for row, attempt in ready:
-                deadlines_set(attempt.deadlines, pipe=pipe)
-                deadlines_clear([Deadline("queue", row.pk, row.attempt)], pipe=pipe)
-                device_lock_extend(
-                    row.device.name,
-                    holder=step_holder(row),
-                    fence=attempt.changes["fence"],
-                    lease_seconds=lease_seconds(step_spec(row)),
-                    pipe=pipe,
-                )
-            pipe.execute()
+        writes = LockBatch()
+        for row, attempt in ready:
+            for shard, group in by_shard(attempt.deadlines).items():
+                writes.zset_add({d.member: deadline_score(attempt.deadlines[d]) for d in group}, shard=shard)
+            queue = Deadline.of("queue", row)
+            writes.zset_remove([queue.member], shard=queue.shard)
+            writes.extend(
+                row.device.name,
+                holder=step_holder(row),
+                fence=attempt.changes["fence"],
+                lease_seconds=lease_seconds(step_spec(row)),
+            )
+        device_locks_apply(writes, zset=deadlines_key)
         for row, attempt in ready:
             self._dispatch(row, attempt, attempt.changes["fence"])
 
@@ -527,11 +537,16 @@ class _Batch:
             self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
         confirmed = commands_confirmed()
         with redis_connection().pipeline(transaction=False) as pipe:
-            deadlines_clear(confirmed, pipe=pipe)
+            # One round trip while the locks share REDIS_URL; else one more, to LOCK_REDIS_URL.
+            locks = pipe if lock_redis_shared() else lock_redis_connection().pipeline(transaction=False)
+            deadlines_clear(confirmed, pipe=locks)
+            deadlines_set(self.run_deadlines, pipe=locks)
             self.events.metrics.pipe_add(pipe)
             for hook in self.finally_:
                 hook(pipe)
             pipe.execute()
+            if locks is not pipe:
+                locks.execute()
 
     def undo(self) -> None:
         """The transaction failed after the lock call: withdraw what it asked for."""

@@ -76,11 +76,11 @@ def attempt_new(step_run: StepRun, *, fence: int, now: datetime) -> Attempt:
     # `done` times the attempt out; `send` re-sends a command whose publish never
     # confirmed (cleared once it did); `ack` only when the step asks for an early ack.
     deadlines = {
-        Deadline("done", step_run.pk, attempt): deadline,
-        Deadline("send", step_run.pk, attempt): now + timedelta(seconds=SEND_CHECK_SECONDS),
+        Deadline.of("done", step_run, attempt): deadline,
+        Deadline.of("send", step_run, attempt): now + timedelta(seconds=SEND_CHECK_SECONDS),
     }
     if spec.get("ack_timeout_seconds"):
-        deadlines[Deadline("ack", step_run.pk, attempt)] = now + timedelta(
+        deadlines[Deadline.of("ack", step_run, attempt)] = now + timedelta(
             seconds=spec["ack_timeout_seconds"]
         )
     return Attempt(changes, deadlines)
@@ -123,7 +123,7 @@ def step_acquire(*, step_run: StepRun, quiet: bool = False) -> None:
 
 def queue_deadline_set(step_run: StepRun) -> None:
     if step_run.deadline is not None:
-        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
+        deadlines_set({Deadline.of("queue", step_run): step_run.deadline})
 
 
 def step_dispatch(
@@ -155,7 +155,7 @@ def step_dispatch(
     spacing = device_flow_wait(step_run.device) if step_run.device_id else 0
     if spacing > 0:
         # Flow control: keep the lock, publish when the device may take the next command.
-        deadlines_set({Deadline("dispatch", step_run.pk, step_run.attempt): now + timedelta(seconds=spacing)})
+        deadlines_set({Deadline.of("dispatch", step_run): now + timedelta(seconds=spacing)})
         device_lock_extend(
             step_run.device.name,
             holder=step_holder(step_run),
@@ -169,7 +169,7 @@ def step_dispatch(
     # `send` deadline re-sends the command and `done` times the attempt out.
     with redis_connection().pipeline(transaction=False) as pipe:
         deadlines_set(attempt.deadlines, pipe=pipe)
-        deadlines_clear([Deadline("queue", step_run.pk, step_run.attempt)], pipe=pipe)
+        deadlines_clear([Deadline.of("queue", step_run)], pipe=pipe)
         pipe.execute()
     with transaction.atomic():
         claimed = StepRun.objects.filter(
@@ -199,7 +199,7 @@ def step_dispatch(
 def command_send_checked(*, step_run: StepRun) -> None:
     """Send the attempt; its `send` check is cleared once the broker confirmed it."""
     if attempt_send(step_run=step_run):
-        deadlines_clear([Deadline("send", step_run.pk, step_run.attempt)])
+        deadlines_clear([Deadline.of("send", step_run)])
 
 
 # kind -> sender(step_run=...) -> bool, for kinds whose attempt is not an MQTT command to
@@ -265,7 +265,7 @@ def commands_publish(rows: list[StepRun]) -> list[tuple[StepRun, str]]:
         if isinstance(outcome, str):
             failed.append((row, outcome))
         else:
-            _unconfirmed.append((outcome, Deadline("send", row.pk, row.attempt), now))
+            _unconfirmed.append((outcome, Deadline.of("send", row), now))
     return failed
 
 
@@ -311,10 +311,10 @@ def command_resend(*, step_run: StepRun, attempt: int) -> None:
     event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
     if not attempt_send(step_run=step_run):
         deadlines_set(
-            {Deadline("send", step_run.pk, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
+            {Deadline.of("send", step_run, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
         )
     else:
-        deadlines_clear([Deadline("send", step_run.pk, attempt)])
+        deadlines_clear([Deadline.of("send", step_run, attempt)])
 
 
 def dispatch_if_holding(step_run: StepRun) -> bool:

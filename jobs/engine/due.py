@@ -35,7 +35,7 @@ def _answer_due(step_run: StepRun, deadline: Deadline) -> None:
     if deadline.kind == "done" and step_run.deadline is not None and step_run.deadline > timezone.now():
         # The device extended the attempt (progress extend_seconds) after this member was
         # claimed or as it was: the row's deadline is the authority, so watch that one instead.
-        deadlines_set({deadline: step_run.deadline})
+        deadlines_set({Deadline.of(deadline.kind, step_run, deadline.attempt): step_run.deadline})
         return
     spec = step_spec(step_run)
     waited = spec["ack_timeout_seconds"] if deadline.kind == "ack" else spec["timeout_seconds"]

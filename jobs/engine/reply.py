@@ -83,9 +83,7 @@ def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
         event_record("reply.stale", step_run=step_run, message=f"{reply.kind} after the attempt ended")
         return
     if step_run.status == StepStatus.DISPATCHED:
-        deadlines_clear(
-            [Deadline("ack", step_run.pk, step_run.attempt), Deadline("send", step_run.pk, step_run.attempt)]
-        )
+        deadlines_clear([Deadline.of("ack", step_run), Deadline.of("send", step_run)])
         event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
     if reply.detail:
         event_record(**progress_event(step_run, reply))

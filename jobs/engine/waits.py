@@ -32,7 +32,7 @@ def delay_start(run: JobRun, index: int) -> None:
     )
     if created:
         step_run.run = run
-        deadlines_set({Deadline("wake", step_run.pk, 0): step_run.deadline})
+        deadlines_set({Deadline.of("wake", step_run, 0): step_run.deadline})
         event_record("step.waiting", step_run=step_run, message=f"delay {spec['delay_seconds']}s")
 
 
@@ -53,7 +53,7 @@ def wait_online_check(*, step_run: StepRun) -> bool:
     """Succeed a wait-for-online step if its device is reachable; else it stays queued
     (its queue deadline bounds the wait, jobs/presence.py re-checks on presence)."""
     if not step_run.device.reachable:
-        deadlines_set({Deadline("queue", step_run.pk, step_run.attempt): step_run.deadline})
+        deadlines_set({Deadline.of("queue", step_run): step_run.deadline})
         event_record("step.waiting", step_run=step_run, message=f"until {step_run.device.name} is online")
         return False
     if StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED).update(

@@ -13,11 +13,12 @@ from devices.locks import (
     device_lock_handoff,
     device_lock_release,
     device_lock_state,
+    lock_epoch_keys,
 )
 from devices.task_lock import DeviceBusy, task_parked
 from devtools.simulator import DeviceBehaviour
 from iotqueue import celery_app
-from iotqueue.redis_conn import redis_connection, redis_key
+from iotqueue.redis_conn import lock_redis_connection, redis_key
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun
 from jobs.services import run_start
 from tests.conftest import wait_for
@@ -254,9 +255,9 @@ def test_tasks_wait_while_the_lock_state_is_rebuilt(stack, simulator):
     # given Redis lost the lock state, and the monitor cannot rebuild it for 2 s
     device = DeviceFactory().name
     sim = simulator({device: DeviceBehaviour()})
-    conn = redis_connection()
+    conn = lock_redis_connection()
     conn.set(redis_key("lock-rebuild"), "1", ex=2)  # jobs/monitor.py's rebuild guard
-    conn.delete(redis_key("lock-epoch"))
+    conn.delete(*lock_epoch_keys())
     log_offset = stack.supervisor.log_size("worker")
 
     # when a task is sent

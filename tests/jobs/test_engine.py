@@ -213,7 +213,7 @@ def test_step_on_missing_device_fails_the_run(stack):
 
 def test_deadline_lost_from_redis_is_refound_in_the_database(stack, simulator):
     # given a step in flight on a silent device whose Redis deadlines were lost
-    from iotqueue.redis_conn import redis_connection, redis_key
+    from jobs.deadlines import Deadline, deadlines_clear
 
     device = DeviceFactory()
     simulator({device.name: DeviceBehaviour(silent=True)})
@@ -222,7 +222,7 @@ def test_deadline_lost_from_redis_is_refound_in_the_database(stack, simulator):
     run, _ = run_start(template=template)
     wait_for(lambda: step_of(run) and step_of(run).status == StepStatus.DISPATCHED, what="dispatch")
     step = step_of(run)
-    redis_connection().zrem(redis_key("deadlines"), f"done:{step.pk}:1", f"send:{step.pk}:1")
+    deadlines_clear([Deadline("done", step.pk, 1, device.name), Deadline("send", step.pk, 1, device.name)])
 
     # then the database sweep still times it out
     assert wait_for(lambda: finished(run), what="run to end").status == RunStatus.TIMED_OUT

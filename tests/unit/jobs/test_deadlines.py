@@ -6,7 +6,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from jobs.deadlines import KINDS, RUN_KINDS, Deadline, deadline_score
+from devices.locks import lock_shard
+from jobs.deadlines import DEVICE_KINDS, KINDS, RUN_KINDS, Deadline, deadline_score
 
 
 @pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in RUN_KINDS])
@@ -57,3 +58,17 @@ def test_later_due_times_score_higher():
     # the monitor claims the lowest scores first: earlier deadlines come out first
     now = datetime(2030, 1, 1, tzinfo=UTC)
     assert deadline_score(now) < deadline_score(now + timedelta(milliseconds=1))
+
+
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+def test_a_step_deadline_is_in_its_device_s_shard_and_the_device_is_not_part_of_it(kind):
+    # the lock scripts write a step's deadlines in the call that grants its device's lock
+    deadline = Deadline(kind, 7, 1, "lamp-2")
+    assert deadline.shard == lock_shard("lamp-2")
+    assert deadline == Deadline(kind, 7, 1) and deadline.member == f"{kind}:7:1"
+
+
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind not in DEVICE_KINDS])
+def test_other_deadlines_are_in_the_shard_of_their_member(kind):
+    deadline = Deadline(kind, 7, 0, "lamp-2")
+    assert deadline.shard == lock_shard(deadline.member)
