@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast test-api test-pip lint format bench bench-pg clean
+.PHONY: install run test test-fast test-api test-pip lint format bench bench-pg bench-fleet clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench: install
 ## The same phases on PostgreSQL (BENCH_DATABASE_URL, default the local server).
 bench-pg: install
 	$(BIN)/python -m bench --database-url '$(BENCH_DATABASE_URL)'
+
+## One fan-out step over 10,000 simulated devices with 2 bridges in a shared group and 2 workers,
+## on PostgreSQL (BENCH_DATABASE_URL), then again with a bridge SIGKILLed half-way
+## (bench/README.md). BENCH_FLEET_ARGS="--devices 200" for a quick look.
+bench-fleet: install
+	$(BIN)/python -m bench.fleet --database-url '$(BENCH_DATABASE_URL)' $(BENCH_FLEET_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

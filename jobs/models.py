@@ -326,6 +326,8 @@ STEP_TERMINAL = (
 )
 # States in which the device holds (or is about to execute) the step's command.
 STEP_IN_FLIGHT = (StepStatus.DISPATCHED, StepStatus.IN_PROGRESS)
+# Rows with work still to come: waiting for the lock, at the device, or about to retry.
+STEP_AT_WORK = (StepStatus.QUEUED, StepStatus.DISPATCHED, StepStatus.IN_PROGRESS, StepStatus.RETRYING)
 
 
 class Phase(models.TextChoices):

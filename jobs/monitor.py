@@ -30,7 +30,7 @@ from .engine.rollback import compensation_next
 from .engine.runs import run_continue
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
-from .models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from .models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .presence import step_resume
 from .services import RUN_ADVANCE_TASK
 from .step_locks import DEADLINE_KIND_FOR_STATUS
@@ -107,13 +107,22 @@ def reconcile() -> int:
     )
     for run_id in unstarted:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
+    # A fan-out with rows still at work is not stalled: the next row to end moves it on.
+    at_work = StepRun.objects.filter(
+        run=OuterRef("run"), phase=OuterRef("phase"), index=OuterRef("index"), status__in=STEP_AT_WORK
+    )
     stalled = (
         StepRun.objects.select_related("run", "device")
         .filter(run__status=RunStatus.RUNNING, index=F("run__cursor"), status__in=STEP_TERMINAL)
-        .filter(finished_at__lt=now - grace)[:CLAIM_BATCH]
+        .filter(finished_at__lt=now - grace)
+        .filter(~Exists(at_work))[:CLAIM_BATCH]
     )
-    moved = 0
+    moved, seen = 0, set()
     for step_run in stalled:
+        # One continuation per step: a fan-out's ended rows all name the same one.
+        if (step_run.run_id, step_run.phase, step_run.index) in seen:
+            continue
+        seen.add((step_run.run_id, step_run.phase, step_run.index))
         run_continue(step_run=step_run)
         moved += 1
     # Queued steps whose lock request was lost with a killed worker (row committed, no

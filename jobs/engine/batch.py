@@ -329,13 +329,19 @@ class _Batch:
 
     def runs_continue(self) -> None:
         """Move on the runs whose step ended for good: next step, end, or the general way."""
+        fanouts = set()
         for step_run, outcome in self.ended:
             if outcome.retry:
                 continue
             run = step_run.run
+            if step_run.phase == Phase.FORWARD and is_fanout_row(step_run):
+                # One progress check per fan-out and batch, however many of its rows ended.
+                if (run.pk, step_run.index) not in fanouts:
+                    fanouts.add((run.pk, step_run.index))
+                    self.later.append(partial(run_continue, step_run=step_run))
+                continue
             if (
                 step_run.phase != Phase.FORWARD
-                or is_fanout_row(step_run)
                 or run.status != RunStatus.RUNNING
                 or run.cursor != step_run.index
             ):

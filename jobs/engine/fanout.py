@@ -19,13 +19,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from .. import templating
 from ..choices import AbortCause, RolloutIncrementOn
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
-from ..models import STEP_TERMINAL, JobRun, Phase, StepRun, StepStatus
+from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .dispatch import step_acquire
 from .plan import fanout_devices, step_args
 from .runs import row_ended_register, run_step_done
@@ -39,7 +40,7 @@ RAMP_SLICE = timedelta(seconds=1)
 # Step-ups counted at most: 5 (the largest factor) to this power exceeds any fleet, and the
 # bound keeps the power a small number.
 RAMP_MAX_STEPS = 64
-ACTIVE = (StepStatus.QUEUED, StepStatus.DISPATCHED, StepStatus.IN_PROGRESS, StepStatus.RETRYING)
+ACTIVE = STEP_AT_WORK
 # The row statuses each abort cause counts (`any`: every row that ended other than succeeded).
 CAUSE_STATUSES = {
     AbortCause.FAILED: (StepStatus.FAILED,),
@@ -194,6 +195,11 @@ def _rollout_pace(spec: Mapping[str, Any], rows) -> tuple[int, timedelta]:
     return ramp_pace(rate)
 
 
+def _status_counts(rows) -> Counter:
+    """Rows by status, counted by the database (one GROUP BY, not a row per device)."""
+    return Counter(dict(rows.order_by().values_list("status").annotate(n=Count("pk"))))
+
+
 def fanout_pump(*, run: JobRun, index: int) -> int:
     """Start as many pending rows as the rollout rate and max-in-flight allow."""
     spec = run.plan[index]
@@ -201,26 +207,28 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
     with transaction.atomic():
         JobRun.objects.select_for_update().filter(pk=run.pk).first()
         rows = _rows(run, index)
+        by_status = _status_counts(rows)
         max_in_flight = spec.get("max_in_flight") or 0
         allowed, rate_window = _rollout_pace(spec, rows)
         window = rows.filter(queued_at__gt=now - rate_window)
         room = rollout_room(
-            rows=len(rows),
+            rows=by_status[StepStatus.PENDING],
             max_in_flight=max_in_flight,
-            in_flight=rows.filter(status__in=ACTIVE).count() if max_in_flight else 0,
+            in_flight=sum(by_status[s] for s in ACTIVE),
             rollout_per_minute=allowed,
             started_in_window=window.count() if allowed else 0,
         )
-        pending = list(rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True))
-        start = pending[:room]
+        # The rows to start, and the first one left pending (the next pump's anchor).
+        pending = rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True)
+        chosen = list(pending[: room + 1])
+        start, left = chosen[:room], chosen[room:]
         deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
         rows.filter(pk__in=start, status=StepStatus.PENDING).update(
             status=StepStatus.QUEUED, queued_at=now, deadline=deadline
         )
-        if allowed and len(pending) > len(start) and window.exists():
+        if allowed and left and window.exists():
             oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
-            anchor = pending[len(start)]
-            deadlines_set({Deadline("pump", anchor, 0): oldest + rate_window})
+            deadlines_set({Deadline("pump", left[0], 0): oldest + rate_window})
     for step_run in StepRun.objects.select_related("run", "device").filter(pk__in=start):
         step_acquire(step_run=step_run)
     return len(start)
@@ -229,11 +237,12 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
 def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     """(rows by status, failure reasons by count) of one fan-out step."""
     rows = _rows(run, index)
-    by_status = Counter(rows.values_list("status", flat=True))
-    failed = rows.filter(
-        status__in=(StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
-    ).values_list("error", "device__name")
-    reasons = Counter(failure_reason(error, device) for error, device in failed)
+    by_status = _status_counts(rows)
+    failing = (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
+    reasons: Counter = Counter()
+    if any(by_status[s] for s in failing):
+        failed = rows.filter(status__in=failing).values_list("error", "device__name")
+        reasons.update(failure_reason(error, device) for error, device in failed)
     return by_status, reasons
 
 
@@ -242,7 +251,19 @@ def fanout_row_ended(step_run: StepRun) -> None:
 
 
 def fanout_progress(*, run: JobRun, index: int) -> None:
-    """A device's row ended for good: abort, pump more, or decide the step."""
+    """A device's row ended for good: abort, pump more, or decide the step.
+
+    Under the run's row lock (SQLite: its write lock), so of two workers whose rows ended
+    together, one decides and the other finds the run moved on and does nothing.
+    """
+    with transaction.atomic():
+        locked = JobRun.objects.select_for_update().filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index)
+        if not locked.exists():
+            return
+        _fanout_decide(run=run, index=index)
+
+
+def _fanout_decide(*, run: JobRun, index: int) -> None:
     spec = run.plan[index]
     by_status, reasons = fanout_summary(run, index)
     total = sum(by_status.values())
