@@ -18,7 +18,7 @@ from devices.locks import device_lock_states
 from devices.models import Device
 from devtools.processes import manage_argv
 from devtools.simulator import DeviceBehaviour
-from jobs.models import STEP_TERMINAL, JobRun, RunStatus, StepRun, StepStatus
+from jobs.models import STEP_TERMINAL, JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import READY, wait_for
 from tests.factories import DeviceFactory, JobStepFactory
@@ -97,6 +97,8 @@ def assert_nothing_lost(run: JobRun, devices: list[Device], sim) -> None:
         assert len(commands) == 1, f"{device.name} was commanded {len(commands)} times"
     assert sim.overlaps == [] and sim.token_regressions == []
     assert not rows.exclude(status__in=STEP_TERMINAL).exists()
+    done = RunEvent.objects.filter(run=run, kind="step.fanout_done").values_list("message", flat=True)
+    assert list(done) == [f"{len(devices)} of {len(devices)} devices succeeded"]  # decided once
     names = [device.name for device in devices]
     wait_for(
         lambda: all(s.holder is None and not s.queue for s in device_lock_states(names).values()),
