@@ -1,5 +1,6 @@
 """Devices: what the engine can send commands to, and what presence says about them."""
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 
@@ -30,6 +31,13 @@ def config_validate(value) -> None:
 def topic_validate(value: str) -> None:
     if value and ("+" in value or "#" in value or value.startswith("/")):
         raise ValidationError("A topic may not contain wildcards (+ #) or start with '/'.")
+    if value.startswith("$"):
+        # $CONTROL/... administers the broker, $SYS/... is its own: a device's ACL on one
+        # would hand it the broker.
+        raise ValidationError("A topic may not start with $: those are the broker's own topics.")
+    events = f"{settings.IOTQUEUE_TOPIC_PREFIX}/events"
+    if value == events or value.startswith(events + "/"):
+        raise ValidationError(f"A topic may not be under {events}/, where iotqueue publishes run events.")
 
 
 class DeviceGroup(models.Model):

@@ -31,6 +31,10 @@ JOBS_LEVEL = "jobs"
 JOBS_GET = f"{JOBS_LEVEL}/get"
 JOBS_CURRENT = f"{JOBS_LEVEL}/current"
 
+# Run lifecycle events go out on P/events/runs/<run id> (webhooks/outbox.py).
+EVENTS_LEVEL = "events"
+RUN_EVENTS = f"{EVENTS_LEVEL}/runs"
+
 # The only `status` a done may carry (v1.1): the device refuses the command.
 DONE_REJECTED = "rejected"
 # A progress `detail` is stored on the run's timeline and shown to people: longer text is cut
@@ -64,6 +68,12 @@ def device_topic(device: str, kind: str) -> str:
 def command_topic(device: str, action: str, override: str = "") -> str:
     """Topic the server publishes a command on; legacy devices have one fixed topic."""
     return override or f"{topic_prefix()}/{device}/cmd/{action}"
+
+
+def server_publish_filters() -> list[str]:
+    """Filters of what iotqueue's own processes publish besides commands: run events
+    (P/events/runs/#) and the answers to jobs/get (P/+/jobs/current)."""
+    return [f"{topic_prefix()}/{RUN_EVENTS}/#", device_topic("+", JOBS_CURRENT)]
 
 
 def device_subscriptions() -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import time
@@ -33,6 +34,7 @@ from typing import Any
 
 import redis
 from celery.beat import PersistentScheduler
+from celery.schedules import schedule
 from django.conf import settings
 from django.db import close_old_connections
 from django_celery_beat.schedulers import DatabaseScheduler
@@ -260,6 +262,29 @@ class LeasedSchedulerMixin:
             self.lease_gate.release()
 
 
+def _whole_seconds(name: str, entry: Any) -> Any:
+    """A code-defined entry whose interval is not a whole number of seconds, rounded up to
+    one (with a warning): the database scheduler cannot store a fraction."""
+    if not isinstance(entry, dict):
+        return entry
+    interval = entry.get("schedule")
+    if isinstance(interval, datetime.timedelta):
+        seconds = interval.total_seconds()
+    elif isinstance(interval, schedule) and type(interval) is schedule:
+        seconds = interval.run_every.total_seconds()
+    elif isinstance(interval, int | float) and not isinstance(interval, bool):
+        seconds = float(interval)
+    else:
+        return entry
+    if seconds == int(seconds) and seconds >= 1:
+        return entry
+    whole = max(1, math.ceil(seconds))
+    log.warning(
+        "beat: %s every %ss: the database scheduler counts whole seconds; every %ss", name, seconds, whole
+    )
+    return {**entry, "schedule": float(whole)}
+
+
 class LeasedDatabaseScheduler(LeasedSchedulerMixin, DatabaseScheduler):
     """django-celery-beat's DatabaseScheduler (schedules in the admin), one beat at a time."""
 
@@ -268,6 +293,11 @@ class LeasedDatabaseScheduler(LeasedSchedulerMixin, DatabaseScheduler):
         # Save when entries last ran every lease, not every 3 minutes: what a killed holder
         # sent since its last save is what a standby taking over may send once more.
         self.sync_every = min(self.sync_every, float(settings.IOTQUEUE_BEAT_LEASE_SECONDS))
+
+    def update_from_dict(self, mapping: dict[str, Any]) -> None:
+        # The table keeps intervals in whole seconds (IntervalSchedule.every is an integer):
+        # 0.5 s would be stored as 0, an entry due at every tick, sent in a tight loop.
+        super().update_from_dict({name: _whole_seconds(name, entry) for name, entry in mapping.items()})
 
     def lease_taken(self) -> None:
         # The previous holder saved when entries last ran: read them again, so a standby

@@ -190,9 +190,12 @@ class Bridge:
         fresh: dict[str, Handler] = {}
         for provider in _providers:
             fresh.update(provider())
+        # A dynamic filter equal to a static one (a trigger rule on P/+/done) rides on the
+        # static subscription: unsubscribing it when the rule goes would deafen the bridge.
+        static = {t for t, _ in _handlers}
         with self._lock:
-            added = [t for t in fresh if t not in self._dynamic]
-            removed = [t for t in self._dynamic if t not in fresh]
+            added = [t for t in fresh if t not in self._dynamic and t not in static]
+            removed = [t for t in self._dynamic if t not in fresh and t not in static]
             self._dynamic = fresh
             self._dynamic_filters = [(t, h) for t, h in fresh.items() if "+" in t or "#" in t]
         if added and self.connected.is_set():

@@ -26,7 +26,7 @@ from jobs.templating import TemplateError, render
 
 from .limits import RateVerdict, rule_active_runs, rule_rate_admit
 from .models import TriggeredRun, TriggerRule
-from .validation import command_filters, command_overlap_error, topic_filter_error
+from .validation import command_filters, command_overlap_error, published_overlap_error, topic_filter_error
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,11 @@ _refusals_logged: set[tuple[int, str]] = set()
 def _listening_allowed(rule: TriggerRule, commands: list[str]) -> bool:
     """Refuse, at run time too, a filter that validation would refuse now: a rule saved
     before the check existed, or a device given a legacy command topic the rule matches."""
-    problem = topic_filter_error(rule.topic_filter) or command_overlap_error(rule.topic_filter, commands)
+    problem = (
+        topic_filter_error(rule.topic_filter)
+        or command_overlap_error(rule.topic_filter, commands)
+        or published_overlap_error(rule.topic_filter)
+    )
     if problem and (rule.pk, rule.topic_filter) not in _refusals_logged:
         _refusals_logged.add((rule.pk, rule.topic_filter))
         log.error("trigger rule %s is not subscribed: %s", rule.name, problem)

@@ -106,6 +106,18 @@ def command_overlap_error(topic_filter: str, commands: list[str]) -> str | None:
     return None
 
 
+def published_overlap_error(topic_filter: str) -> str | None:
+    """A rule matching iotqueue's own run events or jobs/get answers would loop like one on
+    commands: each run it starts publishes more of them."""
+    for published in protocol.server_publish_filters():
+        if filters_overlap(topic_filter, published):
+            return (
+                f"the filter matches topics iotqueue itself publishes ({published}); "
+                "a rule may not listen to them"
+            )
+    return None
+
+
 def rule_reference_error(value: Any, topic_filter: str) -> str | None:
     """References must read the topic or the message, and topic levels the filter can have."""
     try:
@@ -127,7 +139,11 @@ def rule_reference_error(value: Any, topic_filter: str) -> str | None:
 
 def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> dict[str, str]:
     errors: dict[str, str] = {}
-    problem = topic_filter_error(topic_filter) or command_overlap_error(topic_filter, command_filters())
+    problem = (
+        topic_filter_error(topic_filter)
+        or command_overlap_error(topic_filter, command_filters())
+        or published_overlap_error(topic_filter)
+    )
     if problem:
         return {"topic_filter": problem}
     if not isinstance(parameters, dict):

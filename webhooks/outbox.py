@@ -18,6 +18,7 @@ from celery import current_app
 from django.conf import settings
 from django.db import transaction
 
+from devices import protocol
 from iotqueue.mqtt import publisher
 from jobs.models import JobRun, RunEvent
 
@@ -39,7 +40,7 @@ _webhooks_any: tuple[float, bool] = (0.0, False)
 
 def events_topic(run_id: str) -> str:
     """P/events/runs/<run id>: where a run's lifecycle events are published."""
-    return f"{settings.IOTQUEUE_TOPIC_PREFIX}/events/runs/{run_id}"
+    return f"{protocol.topic_prefix()}/{protocol.RUN_EVENTS}/{run_id}"
 
 
 def webhooks_changed(sender, **kwargs) -> None:

@@ -29,6 +29,13 @@ def press():
         ({"command_topic": "plant/press-4/out"}, "command_topic"),
         ({"command_topic": "{P}/lamp-2/cmd/on"}, "command_topic"),
         ({"reply_topic": "{P}/lamp-2/done"}, "reply_topic"),
+        # The broker's own topics: an ACL on $CONTROL/... would hand the device the broker.
+        ({"reply_topic": "$CONTROL/dynamic-security/v1"}, "reply_topic"),
+        ({"command_topic": "$CONTROL/dynamic-security/v1/response"}, "command_topic"),
+        ({"reply_topic": "$SYS/broker/uptime"}, "reply_topic"),
+        # Where run events go out: a device may not publish forged ones.
+        ({"reply_topic": "{P}/events/runs/x"}, "reply_topic"),
+        ({"command_topic": "{P}/events"}, "command_topic"),
         ({"name": "ghost", "command_topic": "x"}, None),  # sanity: a free topic is fine
     ],
 )

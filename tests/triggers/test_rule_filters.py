@@ -33,6 +33,10 @@ def rule(template, topic_filter: str) -> dict:
         "$SYS/#",
         "$SYS/broker/load",
         "$CONTROL/dynamic-security/v1",
+        # What the workers publish besides commands: run events and jobs/get answers.
+        "{P}/events/runs/+",
+        "{P}/+/jobs/current",
+        "+/+/jobs/#",
     ],
 )
 def test_a_filter_overlapping_commands_or_broker_topics_is_400(admin_api, template, topic_filter):

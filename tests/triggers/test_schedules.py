@@ -15,7 +15,8 @@ from triggers.schedules import schedule_fire, schedule_save
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
-DATABASE_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# The production scheduler: django-celery-beat's, behind the beat lease.
+DATABASE_SCHEDULER = "iotqueue.beat_lease:LeasedDatabaseScheduler"
 # After disabling, beat must stay quiet while it sends another every-second schedule this
 # many times (each send is a tick in which the disabled one would have been due too).
 SETTLE_PERIODS = 3
@@ -25,9 +26,12 @@ SETTLE_PERIODS = 3
 def database_beat(stack, tmp_path):
     """A beat on the django-celery-beat DatabaseScheduler (the stack's beat reads a file).
 
-    --max-interval 1 makes it look at the schedule table at least every second.
+    --max-interval 1 makes it look at the schedule table at least every second. Its lease
+    has a key of its own, or it would stand by behind the stack's beat. The stack's monitor
+    interval (0.5 s) is rounded up to a whole second in the table.
     """
-    supervisor = Supervisor(tmp_path, stack.supervisor.env)
+    env = {**stack.supervisor.env, "IOTQUEUE_REDIS_KEY_PREFIX": f"{stack.services.namespace}-database-beat"}
+    supervisor = Supervisor(tmp_path, env)
     supervisor.start("beat", [*beat_argv(tmp_path, scheduler=DATABASE_SCHEDULER), "--max-interval=1"])
     try:
         supervisor.wait_for_log("beat", r"beat: Starting")

@@ -8,6 +8,7 @@ import pytest
 
 from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, Trigger
+from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobTemplateFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
@@ -156,3 +157,41 @@ def test_an_empty_dedupe_value_drops_the_message():
 
     assert RunEvent.objects.filter(kind="message.dropped").count() == 1
     assert list(JobRun.objects.values_list("idempotency_key", flat=True)) == [f"mqtt:{rule.pk}:5"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+def test_a_rule_on_a_protocol_filter_going_away_leaves_the_bridge_listening(
+    stack, simulator, sensor, services
+):
+    # given a rule on the bridge's own `done` filter (allowed: replies are routed first)
+    lamp = DeviceFactory()
+    simulator({lamp.name: DeviceBehaviour()})
+    template = template_with_steps((lamp, "on", {}))
+    done_rule = TriggerRule.objects.create(
+        name="done watch", topic_filter=f"{services.namespace}/+/done", template=template
+    )
+
+    def refreshed_with(probe: str) -> None:
+        # A rule saved after the change under test: once the bridge drops its bad message,
+        # the bridge has read the rules as they are now.
+        topic = f"{services.namespace}/site/{probe}"
+        TriggerRule.objects.create(name=probe, topic_filter=topic, template=template)
+
+        def dropped():
+            publish(sensor, topic, b"not json")
+            seen = RunEvent.objects.filter(kind="message.dropped", data__rule=probe).exists()
+            return seen or time.sleep(REPUBLISH_SECONDS)
+
+        wait_for(dropped, what=f"the bridge to read the rules with {probe}")
+
+    refreshed_with("probe-1")
+
+    # when the rule goes away
+    done_rule.enabled = False
+    done_rule.save()
+    refreshed_with("probe-2")
+
+    # then devices' replies still reach the engine: a run on the lamp ends succeeded
+    run, _ = run_start(template=template)
+    assert wait_for(lambda: run_finished(run.pk)).status == RunStatus.SUCCEEDED

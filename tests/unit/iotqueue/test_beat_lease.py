@@ -11,10 +11,11 @@ from datetime import timedelta
 import pytest
 import redis
 from celery.beat import Scheduler
+from celery.schedules import crontab, schedule
 from django.utils import timezone
 
 from iotqueue import beat_lease, celery_app
-from iotqueue.beat_lease import RELEASE_LUA, RENEW_LUA, Lease, LeasedSchedulerMixin, LeaseGate
+from iotqueue.beat_lease import RELEASE_LUA, RENEW_LUA, Lease, LeasedSchedulerMixin, LeaseGate, _whole_seconds
 
 LEASE_SECONDS = 9.0
 KEY = "test:beat:lease"
@@ -291,3 +292,25 @@ def test_a_scheduler_that_lost_the_lease_sends_nothing_more(schedulers, clock):
     holder.schedule["ping"].last_run_at = timezone.now() - timedelta(minutes=2)
     assert holder.tick() == 1.0
     assert holder.sent == ["ping"]
+
+
+@pytest.mark.parametrize(
+    ("interval", "stored"),
+    [
+        (0.5, 1.0),
+        (1.5, 2.0),
+        (0, 1.0),
+        (timedelta(milliseconds=200), 1.0),
+        (schedule(timedelta(seconds=0.5)), 1.0),
+    ],
+)
+def test_the_database_scheduler_gets_whole_seconds(interval, stored):
+    # IntervalSchedule.every is an integer: 0.5 s would be stored as 0, due at every tick.
+    entry = {"task": "jobs.monitor_tick", "schedule": interval}
+    assert _whole_seconds("iotqueue-monitor", entry) == {"task": "jobs.monitor_tick", "schedule": stored}
+
+
+@pytest.mark.parametrize("interval", [1, 60.0, timedelta(hours=1), crontab(minute="*/5")])
+def test_whole_intervals_and_crontabs_are_left_as_they_are(interval):
+    entry = {"task": "jobs.runs_prune", "schedule": interval}
+    assert _whole_seconds("iotqueue-retention", entry) is entry

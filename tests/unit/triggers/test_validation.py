@@ -10,6 +10,7 @@ from devices.models import Device
 from triggers.validation import (
     command_overlap_error,
     crontab_fields,
+    published_overlap_error,
     rule_errors,
     rule_reference_error,
     schedule_errors,
@@ -144,3 +145,13 @@ def test_a_dedupe_key_must_reference_the_message_or_topic():
         "idempotency_key": "a dedupe key must reference the message or topic, e.g. {{ message.event_id }}"
     }
     assert rule_errors(topic_filter="site/+", parameters={}, idempotency_key="{{ message.event_id }}") == {}
+
+
+def test_a_rule_may_not_listen_to_run_events_or_jobs_answers(settings):
+    settings.IOTQUEUE_TOPIC_PREFIX = "P"
+    # Each run a rule on them starts would publish more of them: a loop.
+    assert "(P/events/runs/#)" in published_overlap_error("P/events/runs/+")
+    assert "(P/+/jobs/current)" in published_overlap_error("P/+/jobs/+")
+    # A device's replies, and a device named "events", are no such topics.
+    assert published_overlap_error("P/+/done") is None
+    assert published_overlap_error("P/events/done") is None
