@@ -59,9 +59,11 @@ def device_acls(device: Device) -> list[dict[str, Any]]:
         protocol.command_topic(device.name, "#"),
         protocol.device_topic(device.name, protocol.JOBS_CURRENT),
     ]
-    if device.reply_topic:
+    # Never a $ topic, even on a row saved before validation refused them: an ACL on
+    # $CONTROL/... would let the device administer the broker.
+    if device.reply_topic and not device.reply_topic.startswith("$"):
         publish.append(device.reply_topic)
-    if device.command_topic:
+    if device.command_topic and not device.command_topic.startswith("$"):
         subscribe.append(device.command_topic)
     return [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in publish] + [
         {"acltype": "subscribePattern", "topic": t, "allow": True} for t in subscribe
