@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -33,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .cpu import cpu_report, cpu_sample
-from .report import RESULTS_DIR, machine_describe, spread_ms
-from .soak import children_pids, rss_bytes
+from .fleet_checks import latencies, leftovers, leftovers_settle, rows_created, status_counts
+from .memory import MB, Sampler, children_pids, redis_memory
+from .report import RESULTS_DIR, machine_describe
 from .stack import BenchStack, sql_counted, stack_open, stop_signals_install
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres"
@@ -59,14 +59,10 @@ PROGRESS_SECONDS = 5.0
 SAMPLE_SECONDS = 1.0
 # No device finished for this long: the engine is stuck; give up on the run.
 STALL_SECONDS = 120.0
-# After a run ended, how long its locks, waiters and inbox may take to drain.
-SETTLE_TIMEOUT_SECONDS = 30.0
-LOCK_STATES_CHUNK = 1000
 ACTION = "firmware/check"
 OPEN_STATUSES = ("pending", "queued", "dispatched", "in_progress", "retrying")
 FAILED_STATUSES = ("failed", "timed_out", "rejected", "canceled", "skipped")
 LABEL = {"fleet": "bench"}
-MB = 1e6
 
 
 def say(line: str) -> None:
@@ -147,63 +143,6 @@ def process_pids(stack: BenchStack) -> dict[str, int]:
     pids |= {"redis": stack.redis.process.pid, "mosquitto": stack.broker.process.pid}
     pids["bench (simulator)"] = os.getpid()
     return pids
-
-
-def redis_memory() -> int:
-    from iotqueue.redis_conn import redis_connection
-
-    return int(redis_connection().info("memory")["used_memory"])
-
-
-class Sampler:
-    """VmRSS of every process and Redis used_memory, every SAMPLE_SECONDS, in a thread."""
-
-    def __init__(self, stack: BenchStack) -> None:
-        self.stack = stack
-        self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleet-sampler", daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sample()
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
-            self.sample()
-
-    def sample(self) -> None:
-        pids = process_pids(self.stack)
-        rss = {name: rss_bytes(pid) for name, pid in pids.items()}
-        try:
-            memory = redis_memory()
-        except Exception:  # a sample, not a verdict: Redis may be busy
-            memory = None
-        self.samples.append({"at": time.time(), "pids": pids, "rss": rss, "redis_used_memory": memory})
-
-    def peak_mb(self) -> dict[str, float]:
-        peaks: dict[str, float] = {}
-        for sample in self.samples:
-            for name, value in sample["rss"].items():
-                if value is not None:
-                    peaks[name] = max(peaks.get(name, 0.0), round(value / MB, 1))
-        return dict(sorted(peaks.items()))
-
-    def at_mb(self, fraction: float) -> dict[str, float]:
-        """Every process's RSS in the sample at `fraction` (0..1) of the run (1: the last)."""
-        if not self.samples:
-            return {}
-        rss = self.samples[min(len(self.samples) - 1, int(fraction * len(self.samples)))]["rss"]
-        return {name: round(value / MB, 1) for name, value in sorted(rss.items()) if value is not None}
-
-    def redis_max(self) -> int | None:
-        values = [s["redis_used_memory"] for s in self.samples if s["redis_used_memory"] is not None]
-        return max(values, default=None)
 
 
 # --- the fleet ------------------------------------------------------------------------------
@@ -297,15 +236,6 @@ def fanout_template(max_in_flight: int):
 # --- one run --------------------------------------------------------------------------------
 
 
-def status_counts(run) -> dict[str, int]:
-    from django.db.models import Count
-
-    from jobs.models import StepRun
-
-    rows = StepRun.objects.filter(run=run).values("status").annotate(n=Count("id"))
-    return {row["status"]: row["n"] for row in rows}
-
-
 def _succeeded(counts: dict[str, int]) -> int:
     return counts.get("succeeded", 0)
 
@@ -364,68 +294,6 @@ def run_drive(run, total: int, *, timeout: float, kill: BridgeKill | None) -> tu
         time.sleep(POLL_SECONDS)
 
 
-def leftovers(run, names: list[str]) -> dict[str, int]:
-    """What is left behind: open rows, device locks held, waiters, inbox entries, Celery queue."""
-    from django.conf import settings
-
-    from devices.locks import device_lock_states
-    from iotqueue.redis_conn import redis_connection
-    from jobs import inbox
-    from jobs.models import STEP_TERMINAL, StepRun
-
-    held = waiting = 0
-    for start in range(0, len(names), LOCK_STATES_CHUNK):
-        for state in device_lock_states(names[start : start + LOCK_STATES_CHUNK]).values():
-            held += state.holder is not None
-            waiting += len(state.queue)
-    conn = redis_connection()
-    stream = inbox._stream()
-    return {
-        "open_rows": StepRun.objects.filter(run=run).exclude(status__in=STEP_TERMINAL).count(),
-        "locks_held": held,
-        "waiters": waiting,
-        "inbox_entries": conn.xlen(stream) if conn.exists(stream) else 0,
-        "celery_queue": conn.llen(settings.CELERY_TASK_DEFAULT_QUEUE),
-    }
-
-
-def leftovers_settle(run, names: list[str]) -> dict[str, int]:
-    """leftovers(), polled until all are zero or SETTLE_TIMEOUT_SECONDS passed."""
-    deadline = time.monotonic() + SETTLE_TIMEOUT_SECONDS
-    while True:
-        left = leftovers(run, names)
-        if not any(left.values()) or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
-
-
-def latencies(run, arrived: dict[str, float]) -> dict[str, Any]:
-    """From a command's arrival at its device to its row's finished_at, per succeeded device."""
-    from jobs.models import StepRun, StepStatus
-
-    rows = StepRun.objects.filter(run=run, status=StepStatus.SUCCEEDED).values_list(
-        "command_id", "finished_at"
-    )
-    samples = [f.timestamp() - arrived[c] for c, f in rows if c in arrived and f is not None]
-    return spread_ms(samples)
-
-
-def rows_created(run) -> dict[str, int]:
-    """Database rows one fleet run leaves: the run, its step rows, its events (by kind)."""
-    from django.db.models import Count
-
-    from jobs.models import RunEvent, StepRun
-
-    events = RunEvent.objects.filter(run=run).values("kind").annotate(n=Count("id"))
-    by_kind = {row["kind"]: row["n"] for row in events}
-    return {
-        "runs": 1,
-        "step_runs": StepRun.objects.filter(run=run).count(),
-        "events": sum(by_kind.values()),
-        "events_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-    }
-
-
 def sql_counts(components: tuple[str, ...]) -> dict[str, dict[str, int]]:
     from .sql_count import counts_read
 
@@ -452,7 +320,7 @@ def fleet_run(
     killer = BridgeKill(stack, KILLED_BRIDGE, total // 2) if kill else None
     say(f"run {tag}: one fan-out step to {total} devices, max_in_flight {args.max_in_flight}")
     cpu_before = cpu_sample(stack.cpu_roots())
-    with Sampler(stack) as sampler:
+    with Sampler(lambda: process_pids(stack), interval=SAMPLE_SECONDS) as sampler:
         started_wall = time.time()
         run, _ = run_start(template=template, trigger="cli", triggered_by=f"fleet-{tag}")
         counts, ending = run_drive(run, total, timeout=args.timeout_seconds, kill=killer)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .cpu import cpu_report, cpu_sample
+from .memory import children_pids, rss_bytes
 from .report import RESULTS_DIR, machine_describe
 from .stack import BenchStack, stack_open, stop_signals_install
 
@@ -91,33 +92,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 # --- processes and Redis -----------------------------------------------------------------
 
 
-def rss_bytes(pid: int | None, field: str = "VmRSS") -> int | None:
-    """Resident memory of one process from /proc (VmRSS, or RssAnon: its own heap, no
-    shared libraries); None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, TypeError):
-        pass
-    return None
-
-
-def children_pids(parent: int | None) -> list[int]:
-    """PIDs whose parent is `parent` (a prefork worker's pool), from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            found.append(int(entry.name))
-    return sorted(found)
-
-
 def processes_rss(stack: BenchStack) -> dict[str, Any]:
     """RSS of the bridge, beat, the worker's parent and each of its pool children, by PID."""
     pids = {name: child.pid for name, child in stack.supervisor.children.items() if child.alive()}
@@ -146,15 +120,15 @@ def redis_used_memory() -> int:
 
 
 def keys_census(namespace: str, devices: list[str]) -> dict[str, Any]:
-    """The keys that name one of `devices` (hash tag {device}): kinds, count, MEMORY USAGE."""
+    """The keys that name one of `devices` (`<prefix>:<kind>:{<shard tag>}:<device>`, see
+    devices/locks.py): kinds, count, MEMORY USAGE."""
     from iotqueue.redis_conn import redis_connection
 
     conn, wanted = redis_connection(), set(devices)
     kinds: dict[str, int] = {}
     count = total = 0
     for key in conn.scan_iter(match=f"{namespace}*{{*}}*", count=1000):
-        tag = key.partition("{")[2].partition("}")[0]
-        if tag not in wanted:
+        if key.rpartition("}:")[2] not in wanted:
             continue
         kind = key.split(":")[1] if ":" in key else key
         kinds[kind] = kinds.get(kind, 0) + 1
