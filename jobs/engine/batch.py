@@ -69,7 +69,7 @@ from ..deadlines import Deadline, by_shard, deadline_score, deadlines_clear, dea
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
-from ..rows import rows_update
+from ..rows import rows_select, rows_update
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new, commands_confirmed, commands_publish, step_dispatch
 from .plan import (
@@ -135,11 +135,10 @@ def transition_apply(
     """Apply replies that arrived together and start pending runs (see the module docstring)."""
     rows = {}
     if replies:
+        command_ids = {reply.command_id for _, reply in replies}
         rows = {
             s.command_id: s
-            for s in StepRun.objects.select_related("run", "device").filter(
-                command_id__in={reply.command_id for _, reply in replies}
-            )
+            for s in rows_select(StepRun, "command_id", command_ids, related=("run", "device"))
         }
     batch = _Batch(rows)
     if finally_ is not None:
@@ -232,7 +231,7 @@ class _Batch:
         (a running run restarts at its cursor: a redelivered start, or the monitor's sweep)."""
         if not run_ids:
             return
-        runs = JobRun.objects.in_bulk(run_ids)
+        runs = {run.pk: run for run in rows_select(JobRun, "id", run_ids)}
         pending = [run for run in runs.values() if run.status == RunStatus.PENDING]
         for run_id in run_ids:
             run = runs.get(UUID(str(run_id)))
@@ -386,7 +385,8 @@ class _Batch:
                 self.later.append(partial(run_step_enter, run=run, index=run.cursor))
             else:
                 plans[run.pk] = (run, spec, name)
-        devices = Device.objects.in_bulk([name for _, _, name in plans.values()], field_name="name")
+        names = {name for _, _, name in plans.values()}
+        devices = {device.name: device for device in rows_select(Device, "name", names)}
         for run, spec, name in plans.values():
             device = devices.get(name)
             try:
@@ -489,7 +489,7 @@ class _Batch:
         """
         handed = [(device, grant, holder_step_id(grant.holder)) for device, grant in self.handed]
         step_ids = {step_id for _, _, step_id in handed if step_id is not None}
-        rows = StepRun.objects.select_related("run", "device").in_bulk(step_ids) if step_ids else {}
+        rows = {s.pk: s for s in rows_select(StepRun, "id", step_ids, related=("run", "device"))}
         ready: list[tuple[StepRun, Attempt]] = []
         for device, grant, step_id in handed:
             row = rows.get(step_id)
