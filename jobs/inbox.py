@@ -61,7 +61,8 @@ class Work:
     starts: list[str] = field(default_factory=list)
 
 
-# apply(work, finally_=hook): commits, then calls hook(pipe) on a pipeline it executes.
+# apply(work, finally_=hook): commits, then calls hook(pipe) on a pipeline it executes;
+# what hook returns (if anything) is then handed the replies to the commands hook added.
 Apply = Callable[..., None]
 
 
@@ -159,6 +160,23 @@ def entries_done(ids: list[str], pipe: Any) -> None:
         pipe.xdel(_stream(), *ids)
 
 
+def _done_and_read_next(
+    ids: list[str], pipe: Any, *, count: int, helper: bool, into: list
+) -> Callable[[list], None]:
+    """`entries_done`, and the drain's next read in the same round trip (the batch's last
+    pipeline): what waits is put in `into`; a failed read leaves it empty (read again)."""
+    entries_done(ids, pipe)
+    pipe.set(_wake(helper), "1", px=WAKE_TTL_MS)
+    pipe.xreadgroup(GROUP, consumer_name(), {_stream(): ">"}, count=count)
+
+    def take(replies: list) -> None:
+        answer = replies[-1]
+        if not isinstance(answer, Exception):
+            into.append(answer[0][1] if answer else [])
+
+    return take
+
+
 def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, helper: bool = False) -> int:
     """Worker side: take, apply and acknowledge entries until none wait; returns entries.
 
@@ -166,15 +184,24 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
     returns (0: not at all). A read that comes back full (`batch_max` entries: a backlog)
     calls in one `helper` drain, a second worker process that shares the backlog and returns
     as soon as it finds the inbox empty. A raise in `apply`
-    leaves the entries it got pending (the task is retried).
+    leaves the entries it got pending (the task is retried). Within the time slice, each
+    batch's last pipeline acknowledges its entries and reads the next ones in one round
+    trip; entries read that way are applied even when the slice ended meanwhile (they
+    are pending under this consumer: a new task would not read them).
     """
     conn = redis_connection()
     count = max(1, batch_max)
     done = 0
     own_pending = retried
     stop = time.monotonic() + DRAIN_SECONDS
-    while time.monotonic() < stop:
-        entries = _read(conn, count=count, own_pending=own_pending, helper=helper)
+    read_next: list[list] = []  # entries read with the last batch's final pipeline
+    while True:
+        if read_next:
+            entries = read_next.pop()
+        elif time.monotonic() < stop:
+            entries = _read(conn, count=count, own_pending=own_pending, helper=helper)
+        else:
+            break
         if not entries and own_pending:
             own_pending = False
             continue
@@ -194,7 +221,12 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
             and conn.set(_wake(helper=True), "1", nx=True, px=WAKE_TTL_MS)
         ):
             current_app.signature(DRAIN_TASK, kwargs={"helper": True}).delay()
-        apply(_work(entries), finally_=partial(entries_done, [entry_id for entry_id, _ in entries]))
+        ids = [entry_id for entry_id, _ in entries]
+        if time.monotonic() < stop:
+            finally_ = partial(_done_and_read_next, ids, count=count, helper=helper, into=read_next)
+        else:
+            finally_ = partial(entries_done, ids)  # the last batch of this slice reads nothing more
+        apply(_work(entries), finally_=finally_)
         done += len(entries)
     # Time slice over with entries perhaps still waiting: hand the drain to a new task
     # (its wake flag stays set, so it is the only one of its kind).

@@ -104,8 +104,9 @@ DISPATCH_FIELDS = [
 ]
 
 
-# Adds commands to a Redis pipeline.
-PipeHook = Callable[[Any], None]
+# Adds commands to a Redis pipeline; may return a function that is handed the replies
+# to those commands (an error as its exception) once the pipeline ran.
+PipeHook = Callable[[Any], Callable[[list], None] | None]
 
 
 class BatchConflict(Exception):
@@ -537,7 +538,8 @@ class _Batch:
 
     def publish(self) -> None:
         """Publish every command of the batch; clear the `send` checks of those the broker
-        has acknowledged by now, count the metrics, run the caller's `finally_` commands."""
+        has acknowledged by now, count the metrics, run the caller's `finally_` commands
+        (the inbox acknowledges the batch's entries there and reads the next ones)."""
         for row, failure in commands_publish(self.dispatches):
             # The `send` deadline re-sends it; the device deduplicates by id.
             self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
@@ -548,11 +550,22 @@ class _Batch:
             deadlines_clear(confirmed, pipe=locks)
             deadlines_set(self.run_deadlines, pipe=locks)
             self.events.metrics.pipe_add(pipe)
+            takers = []
             for hook in self.finally_:
-                hook(pipe)
-            pipe.execute()
+                start = len(pipe)
+                take = hook(pipe)
+                if take is not None:
+                    takers.append((take, start, len(pipe)))
+            # A hook's own commands answer to it, errors included; any other error raises.
+            replies = pipe.execute(raise_on_error=False)
             if locks is not pipe:
                 locks.execute()
+        taken = {i for _, start, end in takers for i in range(start, end)}
+        for i, reply in enumerate(replies):
+            if i not in taken and isinstance(reply, Exception):
+                raise reply
+        for take, start, end in takers:
+            take(replies[start:end])
 
     def undo(self) -> None:
         """The transaction failed after the lock call: withdraw what it asked for."""
