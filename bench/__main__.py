@@ -57,6 +57,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="steps per run (default 5)")
     parser.add_argument("--shared", type=float, default=0.2, help="fraction of steps on shared devices")
     parser.add_argument("--paced-runs", type=int, default=50, help="runs of the paced phase (0: skip)")
+    parser.add_argument(
+        "--trickle-runs", type=int, default=30, help="runs of the trickle phase, at --trickle-rate (0: skip)"
+    )
+    parser.add_argument(
+        "--trickle-rate", type=float, default=5.0, help="runs per second of the trickle phase"
+    )
     parser.add_argument("--seconds-timeout", type=float, default=120.0, help="limit for each phase")
     parser.add_argument("--skip-baseline", action="store_true", help="no raw Celery baseline")
     parser.add_argument(
@@ -150,6 +156,7 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
     warmup = templates("warmup", WARMUP_RUNS, args.shared)
     saturated = templates("saturated", args.runs, args.shared)
     paced = templates("paced", args.paced_runs, 0.0)
+    trickle = templates("trickle", args.trickle_runs, 0.0)
     say(f"engine: {args.devices} devices ({SHARED_DEVICES} shared), worker prefork x2, bridge, beat")
     counting = not args.no_sql_count
     stack.engine_start(sql_count=counting)
@@ -186,6 +193,10 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
         rate = PACED_LOAD * phases["saturated"]["steps_per_s"] / args.steps
         say(f"paced: {len(paced)} runs at {rate:.1f} runs/s ({PACED_LOAD:.0%} of that), no shared devices")
         phases["paced"] = {"offered_runs_per_s": round(rate, 2), **phase("paced", paced, 1 / rate)}
+    if trickle and args.trickle_rate > 0:
+        say(f"trickle: {len(trickle)} runs at {args.trickle_rate:.1f} runs/s, no shared devices")
+        rate = args.trickle_rate
+        phases["trickle"] = {"offered_runs_per_s": round(rate, 2), **phase("trickle", trickle, 1 / rate)}
     phases["simulator"] = simulator.stats()["totals"]
     simulator.stop()
     stack.engine_stop()
@@ -233,6 +244,7 @@ def _result(
     from .report import machine_summary
 
     saturated, paced = engine["saturated"], engine.get("paced") or {}
+    trickle = engine.get("trickle") or {}
     baseline_per_s = baseline["links_per_s"] if baseline else None
     result = {
         "steps_per_s": saturated["steps_per_s"],
@@ -242,6 +254,8 @@ def _result(
         "handoff_p99_ms": saturated["handoff_ms"]["p99"],
         "paced_handoff_p50_ms": paced.get("handoff_ms", {}).get("p50"),
         "paced_handoff_p99_ms": paced.get("handoff_ms", {}).get("p99"),
+        "trickle_handoff_p50_ms": trickle.get("handoff_ms", {}).get("p50"),
+        "trickle_handoff_p99_ms": trickle.get("handoff_ms", {}).get("p99"),
         "commits_per_step": saturated.get("sql", {}).get("commits_per_step"),
         "statements_per_step": saturated.get("sql", {}).get("statements_per_step"),
         "cpu_ms_per_step": saturated["cpu_ms_per_step"],
@@ -256,7 +270,7 @@ def _result(
         "lock_wait_p99_ms": saturated["lock_wait_ms"]["p99"],
         "monitor_tick_ms": monitor["tick_ms"],
         "monitor_tick_first_ms": monitor["first_tick_ms"],
-        "failed_runs": saturated["failed_runs"] + paced.get("failed_runs", 0),
+        "failed_runs": saturated["failed_runs"] + paced.get("failed_runs", 0) + trickle.get("failed_runs", 0),
         "database": database,
         "machine": machine_summary(),
     }
