@@ -190,6 +190,8 @@ def mqtt_broker_start(
             user = pwd.getpwuid(os.getuid()).pw_name
             config.write_text(
                 "\n".join([f"listener {port} {HOST}", *lines, "persistence false", f"user {user}",
+                           # Packets leave at once: no Nagle wait for the peer's delayed ACK.
+                           "set_tcp_nodelay true",
                            "log_dest stderr", "log_type error", "log_type warning", "log_type notice", ""])
             )  # fmt: skip
             return [system, "-c", str(config)]

@@ -44,9 +44,7 @@ def rows_update(
         + [c.get_db_prep_value(getattr(row, c.attname), connection) for c in guard]
         for row in rows
     ]
-    with connection.cursor() as cursor:
-        cursor.executemany(f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params)
-        return cursor.rowcount
+    return _execute(f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params)
 
 
 def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> None:
@@ -59,8 +57,19 @@ def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> Non
     names = ", ".join(quote(c.column) for c in columns)
     marks = ", ".join(["%s"] * len(columns))
     params = [[c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns] for row in rows]
+    _execute(f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params)
+
+
+def _execute(sql: str, params: list[list]) -> int:
+    """One statement per parameter row; returns the rows changed. A single row goes as a
+    plain execute: psycopg runs executemany in pipeline mode, whose set-up costs more than
+    the round trip it saves when there is one row (most small batches' writes)."""
     with connection.cursor() as cursor:
-        cursor.executemany(f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params)
+        if len(params) == 1:
+            cursor.execute(sql, params[0])
+        else:
+            cursor.executemany(sql, params)
+        return cursor.rowcount
 
 
 class _Select:

@@ -265,6 +265,8 @@ def test_mosquitto_uses_the_dynamic_security_plugin_set_up_by_the_init_service()
     [plugin_file] = config_values(config, "plugin_opt_config_file")
     assert plugin_file.startswith("/mosquitto/data/") and mounts["/mosquitto/data"] == "mosquitto-data"
     assert config_values(config, "persistence") == ["true"]
+    # and packets leave at once (no Nagle delay on commands and replies)
+    assert config_values(config, "set_tcp_nodelay") == ["true"]
     # and the init service writes that very file into that volume before the broker starts
     assert command_argv(init) == ["python", "manage.py", "mqtt_security_init", plugin_file]
     assert "mosquitto-data:/mosquitto/data" in init["volumes"]

@@ -145,6 +145,9 @@ def test_mqtt_broker_round_trips_and_restarts_on_the_same_port(mode: str, tmp_pa
         # clients) where its dynamic security plugin is installed; amqtt is anonymous.
         secured = broker.auth == "dynsec"
         assert secured == (broker.kind.startswith("mosquitto") and servers.dynsec_plugin_find() is not None)
+        if broker.kind.startswith("mosquitto"):
+            # packets leave at once, as deploy/mosquitto.conf has it (no Nagle wait on commands)
+            assert "set_tcp_nodelay true" in (tmp_path / "mqtt" / "broker.conf").read_text().splitlines()
         parsed = urlparse(broker.url)
         assert (parsed.hostname, parsed.port) == ("127.0.0.1", broker.port)
         assert bool(parsed.username) == secured
