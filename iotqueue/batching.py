@@ -6,7 +6,9 @@ per group and lets the worker apply a group in one transaction. A `Batcher` coll
 items and flushes them when `max_items` are waiting, when `idle_seconds` passed without a
 new one, or when the oldest has waited `max_wait_seconds`: at low load a group is one
 item and waits only `idle_seconds`; under load groups grow by themselves, and a steady
-stream still leaves every `max_wait_seconds`.
+stream still leaves every `max_wait_seconds`. An item added as `urgent` (one that nothing
+is expected to follow, such as a device's `done`) flushes its group at once, with whatever
+gathered before it.
 
 Each item may bring a `settled` callback, called once its group was flushed: the bridge
 acknowledges a device's MQTT message only then.
@@ -64,10 +66,13 @@ class Batcher:
         self._last_add = 0.0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._urgent = False
         _batchers.append(self)
 
-    def add(self, item: Any, settled: Settled | None = None) -> None:
-        """Queue `item`; `settled()` is called (on the batcher's thread) once it was flushed."""
+    def add(self, item: Any, settled: Settled | None = None, *, urgent: bool = False) -> None:
+        """Queue `item`; `settled()` is called (on the batcher's thread) once it was flushed.
+
+        `urgent`: flush the group now instead of waiting for it to be quiet."""
         with self._cond:
             self._items.append((item, settled))
             self._last_add = time.monotonic()
@@ -76,7 +81,8 @@ class Batcher:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=f"batcher-{self.name}", daemon=True)
                 self._thread.start()
-            if len(self._items) == 1 or len(self._items) >= self.max_items:
+            self._urgent = self._urgent or urgent
+            if len(self._items) == 1 or len(self._items) >= self.max_items or urgent:
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -84,8 +90,8 @@ class Batcher:
             with self._cond:
                 while not self._items:
                     self._cond.wait()
-                # Something waits: let more arrive until the group is full or quiet.
-                while len(self._items) < self.max_items:
+                # Something waits: let more arrive until the group is full, quiet or urgent.
+                while len(self._items) < self.max_items and not self._urgent:
                     due = min(self._last_add + self.idle_seconds, self._first_add + self.max_wait_seconds)
                     remaining = due - time.monotonic()
                     if remaining <= 0:
@@ -93,6 +99,7 @@ class Batcher:
                     self._cond.wait(remaining)
                 group, self._items = self._items[: self.max_items], self._items[self.max_items :]
                 self._first_add = self._last_add
+                self._urgent = self._urgent and bool(self._items)  # an urgent item may be left over
             pause = RETRY_FIRST_SECONDS
             while not self._flush(group) and not self._stopping.wait(pause):
                 pause = min(pause * 2, RETRY_MAX_SECONDS)

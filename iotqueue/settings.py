@@ -340,8 +340,9 @@ IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", def
 IOTQUEUE_RETENTION_DAYS = env.float("IOTQUEUE_RETENTION_DAYS", default=30.0)
 # The bridge hands device replies to the workers in groups (jobs/inbox.py): a group is
 # sent when this many replies wait, when no new one came for the idle time, or when its
-# first one waited the max wait. At low load a reply waits only the idle time; under
-# load groups grow, and a worker takes up to this many groups into one transaction.
+# first one waited the max wait. At low load a reply waits only the idle time (a done not
+# at all: it sends its group at once); under load groups grow, and a worker takes up to
+# this many groups into one transaction.
 IOTQUEUE_REPLY_BATCH_MAX = env.int("IOTQUEUE_REPLY_BATCH_MAX", default=64)
 IOTQUEUE_REPLY_BATCH_IDLE_MS = env.float("IOTQUEUE_REPLY_BATCH_IDLE_MS", default=1.0)
 IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS = env.float("IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS", default=3.0)

@@ -42,8 +42,10 @@ def reply_accept(device: str, kind: str | None, topic: str, payload: bytes) -> N
         event_record("message.dropped", device=device, message=str(exc), topic=topic, size=len(payload))
         return
     counter_buffer.add(BRIDGE_MESSAGES, "accepted")
-    # The device's message is acknowledged to the broker once its group is in the inbox.
-    reply_batcher.add([device, reply.as_task_payload()], ack_defer())
+    # The device's message is acknowledged to the broker once its group is in the inbox. A
+    # `done` goes at once (with the ack or progress gathered before it): nothing more is
+    # coming for its command, and the next step waits for it.
+    reply_batcher.add([device, reply.as_task_payload()], ack_defer(), urgent=reply.kind == "done")
 
 
 def reply_message_handle(topic: str, payload: bytes) -> None:
