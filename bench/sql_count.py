@@ -11,8 +11,11 @@ is installed, so every database connection the process (or a prefork child of it
 - an execute wrapper counting the statements Django sends through its cursors (queries,
   SAVEPOINT / RELEASE / ROLLBACK TO). Not counted: the `BEGIN` Django sends itself on SQLite
   (psycopg sends it unseen on PostgreSQL, so counting it would make the two incomparable),
-  connection set-up, and `executemany` rows beyond the first call. A statement run in
-  autocommit mode outside an atomic block is also counted as a commit of its own;
+  connection set-up, and `executemany` rows beyond the first call. Several statements sent
+  in one text (the engine's grouped writes on PostgreSQL, `jobs.rows.Writes`, whose head
+  comment says how many) count one each, as an `executemany` counts once, though the group
+  costs one round trip. A statement run in autocommit mode outside
+  an atomic block is also counted as a commit of its own;
 - a wrapper around `connection.commit`: the explicit commits (outermost atomic blocks);
 - on PostgreSQL, a wrapper around `is_usable`: the `SELECT 1` health checks Django runs on a
   reused connection (CONN_HEALTH_CHECKS) outside its cursors, counted apart.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import runpy
 import sys
 import threading
@@ -58,11 +62,11 @@ def counter_key(prefix: str, component: str, field: str) -> str:
 # --- in the counted process -------------------------------------------------------------------
 
 
-def _add(*fields: str) -> None:
+def _add(*fields: str, n: int = 1) -> None:
     global _flusher_started
     with _lock:
         for field in fields:
-            _pending[field] += 1
+            _pending[field] += n
         if not _flusher_started:  # first count in this process, or in a freshly forked child
             _flusher_started = True
             threading.Thread(target=_flush_loop, name="bench-sql-count", daemon=True).start()
@@ -146,11 +150,30 @@ def _statement(execute, sql, params, many, context):
     """Execute wrapper: one statement; a commit too when autocommit applies it on its own."""
     if not (isinstance(sql, str) and sql.startswith("BEGIN")):
         connection = context["connection"]
+        if _log_directory:
+            _statement_log(connection, sql)
+        # A grouped text (jobs.rows.Writes on PostgreSQL) counts its statements, each once
+        # as an executemany counts once, though the group costs one round trip.
+        grouped = _GROUPED.match(sql) if isinstance(sql, str) else None
+        n = int(grouped.group(1)) if grouped else 1
         if connection.autocommit and not connection.in_atomic_block:
-            _add("statements", "autocommits")
+            _add("autocommits")
+            _add("statements", n=n)
         else:
-            _add("statements")
+            _add("statements", n=n)
     return execute(sql, params, many, context)
+
+
+_GROUPED = re.compile(r"/\* grouped: (\d+) statements")
+_log_directory = os.environ.get("BENCH_SQL_LOG_DIR", "")
+
+
+def _statement_log(connection: Any, sql: str) -> None:
+    """BENCH_SQL_LOG_DIR: one line per statement (time, pid, in a transaction, the SQL's head)."""
+    mode = "atomic" if connection.in_atomic_block else "auto"
+    path = os.path.join(_log_directory, f"{_component}-{os.getpid()}.sql")
+    with open(path, "a") as out:
+        out.write(f"{time.time():.6f} {mode} {' '.join(str(sql).split())[:160]}\n")
 
 
 def _connection_created(sender: object, connection: Any, **kwargs: object) -> None:

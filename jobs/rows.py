@@ -20,17 +20,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model
 
 
-def rows_update(
-    model: type[Model], rows: list, fields: list[str], *, status_in: tuple, match: str = ""
-) -> int:
-    """UPDATE each row's `fields` by primary key while its status is one of `status_in`
-    (and its `match` field still has the value the row holds); returns the rows changed.
-
-    One statement for all rows (executemany): a compare-and-set per row at the cost of a
-    plain UPDATE, where the ORM's bulk_update would build a CASE per field and row.
-    """
-    if not rows:
-        return 0
+def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tuple, match: str) -> tuple:
+    """The compare-and-set UPDATE of `rows_update` and its parameter rows."""
     meta, quote = model._meta, connection.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     sets = ", ".join(f"{quote(c.column)} = %s" for c in columns)
@@ -44,20 +35,159 @@ def rows_update(
         + [c.get_db_prep_value(getattr(row, c.attname), connection) for c in guard]
         for row in rows
     ]
-    return _execute(f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params)
+    return f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params
 
 
-def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> None:
-    """INSERT the rows' `fields` (attribute names; a foreign key by its field name) in one
-    statement. Primary keys are not read back: for rows nothing refers to afterwards."""
-    if not rows:
-        return
+def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tuple:
+    """The INSERT of `rows_insert` and its parameter rows."""
     meta, quote = model._meta, connection.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     names = ", ".join(quote(c.column) for c in columns)
     marks = ", ".join(["%s"] * len(columns))
     params = [[c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns] for row in rows]
-    _execute(f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params)
+    return f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params
+
+
+def rows_update(
+    model: type[Model], rows: list, fields: list[str], *, status_in: tuple, match: str = ""
+) -> int:
+    """UPDATE each row's `fields` by primary key while its status is one of `status_in`
+    (and its `match` field still has the value the row holds); returns the rows changed.
+
+    One statement for all rows (executemany): a compare-and-set per row at the cost of a
+    plain UPDATE, where the ORM's bulk_update would build a CASE per field and row.
+    """
+    if not rows:
+        return 0
+    return _execute(*_update_sql(model, rows, fields, status_in, match))
+
+
+def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> None:
+    """INSERT the rows' `fields` (attribute names; a foreign key by its field name) in one
+    statement. Primary keys are not read back: for rows nothing refers to afterwards."""
+    if rows:
+        _execute(*_insert_sql(model, rows, fields))
+
+
+def rows_create(model: type[Model], rows: list[Model]) -> None:
+    """INSERT new rows (every concrete field but the automatic primary key) and read their
+    primary keys back, as bulk_create does, in as few statements as the database's
+    parameter limit allows, without preparing each object through the model layer. A
+    unique constraint's violation raises IntegrityError."""
+    if not rows:
+        return
+    meta, quote = model._meta, connection.ops.quote_name
+    columns = [f for f in meta.concrete_fields if f is not meta.pk]
+    names = ", ".join(quote(c.column) for c in columns)
+    marks = f"({', '.join(['%s'] * len(columns))})"
+    size = max(1, connection.ops.bulk_batch_size(columns, rows))
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), size):
+            chunk = rows[start : start + size]
+            params = [
+                c.get_db_prep_save(getattr(row, c.attname), connection) for row in chunk for c in columns
+            ]
+            cursor.execute(
+                f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES {', '.join([marks] * len(chunk))}"
+                f" RETURNING {quote(meta.pk.column)}",
+                params,
+            )
+            # In the order of VALUES, on both databases (bulk_create relies on it too).
+            for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
+                row.pk = pk
+                row._state.adding, row._state.db = False, connection.alias
+
+
+class Writes:
+    """Writes of one transaction whose only answer is a row count, sent together.
+
+    `update` and `insert` queue a statement; `send` executes what waits, in order, and
+    raises the `conflict` of the first compare-and-set whose row count is not the number
+    of its rows (the caller's transaction then rolls everything back). With a `select`,
+    `send` also reads those rows and returns them (`rows_select`).
+
+    On PostgreSQL everything queued goes in one text through the simple query protocol
+    (psycopg's client-side binding, which Django uses there by default: each parameter
+    row is merged into its statement as psycopg merges it for `execute`), so a batch's
+    writes cost one round trip to the server instead of one each; each statement's row
+    count comes back as its own result. Elsewhere (SQLite, in-process) each is executed
+    on its own.
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[str, list[list], Exception | None]] = []
+
+    def update(
+        self,
+        model: type[Model],
+        rows: list,
+        fields: list[str],
+        *,
+        status_in: tuple,
+        match: str = "",
+        conflict: Exception | None = None,
+    ) -> None:
+        """`rows_update`, sent with the others; a count other than len(rows) raises `conflict`."""
+        if rows:
+            self._queued.append((*_update_sql(model, rows, fields, status_in, match), conflict))
+
+    def insert(self, model: type[Model], rows: list[Model], fields: list[str]) -> None:
+        """`rows_insert`, sent with the others."""
+        if rows:
+            self._queued.append((*_insert_sql(model, rows, fields), None))
+
+    def send(self, select: tuple | None = None) -> list[Model]:
+        """Execute what waits; `select` = (model, column, values, related) is read after it."""
+        queued, self._queued = self._queued, []
+        reading = None
+        if select is not None and list(select[2]):
+            model, column, values, related = select
+            reading = _select_for(connections[DEFAULT_DB_ALIAS], model, related), column, list(values)
+        if not queued and reading is None:
+            return []
+        with connection.cursor() as cursor:
+            if _one_text(cursor):
+                counts, fetched = _send_one_text(cursor, queued, reading)
+            else:
+                counts = [_execute_on(cursor, sql, params) for sql, params, _ in queued]
+                fetched = None
+                if reading is not None:
+                    sql, params = reading[0].statement(connection, reading[1], reading[2])
+                    cursor.execute(sql, params)
+                    fetched = cursor.fetchall()
+        for (_, params, conflict), count in zip(queued, counts, strict=True):
+            if conflict is not None and count != len(params):
+                raise conflict
+        return [] if reading is None else reading[0].build(connection, fetched)
+
+
+def _one_text(cursor: Any) -> bool:
+    """Whether this cursor runs several statements in one text and returns each one's result
+    (psycopg 3's client-side binding cursor)."""
+    if connection.vendor != "postgresql":
+        return False
+    client_cursor = getattr(connection.Database, "ClientCursor", None)
+    return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
+
+
+def _send_one_text(cursor: Any, queued: list, reading: tuple | None) -> tuple[list[int], list | None]:
+    """PostgreSQL: every queued statement (one per parameter row) and the select in one text;
+    returns the row count per queued write and the select's rows."""
+    texts = [cursor.mogrify(sql, row) for sql, params, _ in queued for row in params]
+    if reading is not None:
+        texts.append(cursor.mogrify(*reading[0].statement(connection, reading[1], reading[2])))
+    # The head says what the text carries (for pg_stat_activity, the server's log and
+    # bench.sql_count): each queued statement, and how many rows they were sent for.
+    head = f"/* grouped: {len(queued) + (reading is not None)} statements, {len(texts)} rows */\n"
+    cursor.execute(head + ";\n".join(texts))
+    counts = []
+    for _, params, _ in queued:
+        count = 0
+        for _ in params:
+            count += cursor.rowcount
+            cursor.nextset()
+        counts.append(count)
+    return counts, (cursor.fetchall() if reading is not None else None)
 
 
 def _execute(sql: str, params: list[list]) -> int:
@@ -65,11 +195,15 @@ def _execute(sql: str, params: list[list]) -> int:
     plain execute: psycopg runs executemany in pipeline mode, whose set-up costs more than
     the round trip it saves when there is one row (most small batches' writes)."""
     with connection.cursor() as cursor:
-        if len(params) == 1:
-            cursor.execute(sql, params[0])
-        else:
-            cursor.executemany(sql, params)
-        return cursor.rowcount
+        return _execute_on(cursor, sql, params)
+
+
+def _execute_on(cursor: Any, sql: str, params: list[list]) -> int:
+    if len(params) == 1:
+        cursor.execute(sql, params[0])
+    else:
+        cursor.executemany(sql, params)
+    return cursor.rowcount
 
 
 class _Select:
@@ -106,14 +240,19 @@ class _Select:
                 )
         self.head = f"SELECT {', '.join(columns)} FROM {quote(model._meta.db_table)} t0 {' '.join(joins)}"
 
-    def rows(self, conn: BaseDatabaseWrapper, column: str, values: list) -> list[Model]:
+    def statement(self, conn: BaseDatabaseWrapper, column: str, values: list) -> tuple[str, list]:
         field = self.model._meta.get_field(column)
         params = [field.get_db_prep_value(field.to_python(v), conn) for v in values]
         marks = ", ".join(["%s"] * len(params))
-        sql = f"{self.head} WHERE t0.{conn.ops.quote_name(field.column)} IN ({marks})"
+        return f"{self.head} WHERE t0.{conn.ops.quote_name(field.column)} IN ({marks})", params
+
+    def rows(self, conn: BaseDatabaseWrapper, column: str, values: list) -> list[Model]:
         with conn.cursor() as cursor:
-            cursor.execute(sql, params)
-            fetched = cursor.fetchall()
+            cursor.execute(*self.statement(conn, column, values))
+            return self.build(conn, cursor.fetchall())
+
+    def build(self, conn: BaseDatabaseWrapper, fetched: list) -> list[Model]:
+        """Model instances from fetched tuples, as the ORM builds them."""
         found = []
         for raw in fetched:
             values_ = list(raw)
@@ -149,8 +288,12 @@ def rows_select(model: type[Model], column: str, values, *, related: tuple[str, 
     if not values:
         return []
     conn = connections[DEFAULT_DB_ALIAS]
+    return _select_for(conn, model, related).rows(conn, column, values)
+
+
+def _select_for(conn: BaseDatabaseWrapper, model: type[Model], related: tuple[str, ...]) -> _Select:
     cache = _selects.setdefault(conn, {})
     select = cache.get((model, related))
     if select is None:
         select = cache[(model, related)] = _Select(model, related, conn)
-    return select.rows(conn, column, values)
+    return select

@@ -69,7 +69,7 @@ from ..deadlines import Deadline, by_shard, deadline_score, deadlines_clear, dea
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
-from ..rows import rows_select, rows_update
+from ..rows import Writes, rows_create, rows_select
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new, commands_confirmed, commands_publish, step_dispatch
 from .plan import (
@@ -178,7 +178,6 @@ def _transition(batch: _Batch, prepare: Callable[[], None], one_at_a_time: Calla
             batch.locks_apply()
             batch.handed_dispatch()
             batch.dispatches_write()
-            batch.events.insert()
     except BatchConflict as conflict:
         log.info("batched transition: %s; applying one at a time", conflict)
         one_at_a_time()
@@ -208,6 +207,8 @@ class _Batch:
         self.rows = rows
         self.now = timezone.now()
         self.events = EventLog()
+        # Compare-and-set writes, sent together before the lock call and before the commit.
+        self.writes = Writes()
         self.later: list[Callable[[], None]] = []
         self.acks: dict[int, StepRun] = {}
         self.dones: list[tuple[StepRun, protocol.Reply]] = []
@@ -247,8 +248,13 @@ class _Batch:
             self.events.add("run.started", run=run, message=f"{len(run.plan)} steps")
             self.starting.append(run)
         fields = ["status", "started_at", *(["deadline"] if timed else [])]
-        if rows_update(JobRun, pending, fields, status_in=(RunStatus.PENDING,)) != len(pending):
-            raise BatchConflict("a run started meanwhile")
+        self.writes.update(
+            JobRun,
+            pending,
+            fields,
+            status_in=(RunStatus.PENDING,),
+            conflict=BatchConflict("a run started meanwhile"),
+        )
         # max_duration: written after the commit, with the batch's last pipeline (a
         # deadline that fired before the commit would find its run still pending).
         self.run_deadlines.update(timed)
@@ -293,9 +299,13 @@ class _Batch:
         """Attempts acked in this batch; one that also ends here is written with its end."""
         ending = {step_run.pk for step_run, _ in self.dones}
         rows = [step_run for pk, step_run in self.acks.items() if pk not in ending]
-        if rows:
-            if rows_update(StepRun, rows, ACK_FIELDS, status_in=STEP_IN_FLIGHT) != len(rows):
-                raise BatchConflict("an acked attempt ended meanwhile")
+        self.writes.update(
+            StepRun,
+            rows,
+            ACK_FIELDS,
+            status_in=STEP_IN_FLIGHT,
+            conflict=BatchConflict("an acked attempt ended meanwhile"),
+        )
 
     def ends_write(self) -> None:
         """End the attempts the dones answer; their locks are released in the lock call."""
@@ -320,12 +330,14 @@ class _Batch:
             )
             self.releases[index] = step_run
             self.ended.append((step_run, outcome))
-        if self.dones:
-            rows = [step_run for step_run, _ in self.dones]
-            if rows_update(StepRun, rows, END_FIELDS, status_in=STEP_IN_FLIGHT, match="command_id") != len(
-                rows
-            ):
-                raise BatchConflict("an attempt ended meanwhile")
+        self.writes.update(
+            StepRun,
+            [step_run for step_run, _ in self.dones],
+            END_FIELDS,
+            status_in=STEP_IN_FLIGHT,
+            match="command_id",
+            conflict=BatchConflict("an attempt ended meanwhile"),
+        )
 
     def runs_continue(self) -> None:
         """Move on the runs whose step ended for good: next step, end, or the general way."""
@@ -362,11 +374,17 @@ class _Batch:
             else:
                 self.later.append(partial(run_continue, step_run=step_run))
         running = (RunStatus.RUNNING,)
-        if rows_update(JobRun, self.moved, ["cursor"], status_in=running) != len(self.moved):
-            raise BatchConflict("a run moved meanwhile")
+        self.writes.update(
+            JobRun, self.moved, ["cursor"], status_in=running, conflict=BatchConflict("a run moved meanwhile")
+        )
         finished = ["cursor", "status", "error", "finished_at"]
-        if rows_update(JobRun, self.finished, finished, status_in=running) != len(self.finished):
-            raise BatchConflict("a run ended meanwhile")
+        self.writes.update(
+            JobRun,
+            self.finished,
+            finished,
+            status_in=running,
+            conflict=BatchConflict("a run ended meanwhile"),
+        )
 
     def _run_finish(self, run: JobRun, status: str, error: str) -> None:
         run.status, run.error, run.finished_at = status, error, self.now
@@ -387,7 +405,10 @@ class _Batch:
             else:
                 plans[run.pk] = (run, spec, name)
         names = {name for _, _, name in plans.values()}
-        devices = {device.name: device for device in rows_select(Device, "name", names)}
+        # The writes queued so far go with this read: one round trip on PostgreSQL, and
+        # every compare-and-set is checked before the lock call.
+        found = self.writes.send(select=(Device, "name", names, ()))
+        devices = {device.name: device for device in found}
         for run, spec, name in plans.values():
             device = devices.get(name)
             try:
@@ -414,7 +435,7 @@ class _Batch:
             return
         try:
             # No savepoint: a conflict rolls the whole transition back anyway.
-            StepRun.objects.bulk_create(self.new_rows)
+            rows_create(StepRun, self.new_rows)
         except IntegrityError:
             raise BatchConflict("a next step's row exists already") from None
         for row in self.new_rows:
@@ -526,13 +547,17 @@ class _Batch:
             self._dispatch(row, attempt, attempt.changes["fence"])
 
     def dispatches_write(self) -> None:
-        if self.dispatches:
-            queued = (StepStatus.QUEUED,)
-            if rows_update(StepRun, self.dispatches, DISPATCH_FIELDS, status_in=queued) != len(
-                self.dispatches
-            ):
-                # A handed row was canceled meanwhile: undo and let the task run again.
-                raise BatchRetry("a dispatched row moved during its reply batch")
+        """The dispatched rows and every event of the batch: sent together, before the commit."""
+        self.writes.update(
+            StepRun,
+            self.dispatches,
+            DISPATCH_FIELDS,
+            status_in=(StepStatus.QUEUED,),
+            # A handed row was canceled meanwhile: undo and let the task run again.
+            conflict=BatchRetry("a dispatched row moved during its reply batch"),
+        )
+        self.events.insert(writes=self.writes)
+        self.writes.send()
 
     # --- 5. after the commit ---------------------------------------------------------
 

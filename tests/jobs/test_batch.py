@@ -104,11 +104,11 @@ def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manu
     real_insert = EventLog.insert
     failures = []
 
-    def insert_failing_once(self):
+    def insert_failing_once(self, *args, **kwargs):
         if not failures:
             failures.append(1)
             raise OperationalError("disk I/O error (injected)")
-        real_insert(self)
+        real_insert(self, *args, **kwargs)
 
     monkeypatch.setattr(EventLog, "insert", insert_failing_once)
 

@@ -8,12 +8,14 @@ reading the attached rows afterwards costs no query.
 from datetime import timedelta
 
 import pytest
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Model
 from django.utils import timezone
 
 from devices.models import Device
-from jobs.models import JobRun, StepRun, StepStatus
-from jobs.rows import rows_select
+from jobs.events import EVENT_FIELDS
+from jobs.models import JobRun, RunEvent, StepRun, StepStatus
+from jobs.rows import Writes, rows_create, rows_select
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = pytest.mark.django_db
@@ -89,3 +91,65 @@ def test_rows_by_primary_key_and_by_name(rows):
     assert fields_of(by_name) == fields_of(Device.objects.get(pk=device.pk))
     assert rows_select(Device, "name", []) == []
     assert rows_select(Device, "name", ["no-such-device"]) == []
+
+
+def test_grouped_writes_are_checked_in_order_and_read_with_their_select(rows, django_assert_num_queries):
+    """`Writes`: compare-and-set writes queued together, then sent with a read.
+
+    On PostgreSQL the writes and the read go as one text (one query); elsewhere one each.
+    Values that look like SQL or placeholders are stored as the ORM stores them.
+    """
+    run, device, with_device, without_device = rows
+    now = timezone.now()
+    tricky = {"quote": "it's", "percent": "100 %s %(x)s", "semicolon": "a;\nb", "unicode": "ß→✓"}
+    with_device.status, with_device.result, with_device.finished_at = StepStatus.SUCCEEDED, tricky, now
+    event = RunEvent(
+        run=run, step_run=with_device, kind="step.succeeded", device=device.name, message="x;\ny"
+    )
+    event.data, event.created_at = {"note": "'%s'"}, now
+    writes = Writes()
+    writes.update(
+        StepRun, [with_device], ["status", "result", "finished_at"], status_in=(StepStatus.DISPATCHED,)
+    )
+    writes.insert(RunEvent, [event], EVENT_FIELDS)
+    one_text = connection.vendor == "postgresql"
+    with django_assert_num_queries(1 if one_text else 3):
+        (found,) = writes.send(select=(Device, "name", [device.name, "no-such-device"], ()))
+    assert fields_of(found) == fields_of(Device.objects.get(pk=device.pk))
+    stored = StepRun.objects.get(pk=with_device.pk)
+    assert (stored.status, stored.result, stored.finished_at) == (StepStatus.SUCCEEDED, tricky, now)
+    saved = RunEvent.objects.get(run=run, kind="step.succeeded")
+    assert (saved.message, saved.data, saved.created_at) == ("x;\ny", {"note": "'%s'"}, now)
+
+    # A compare-and-set that finds its row moved raises its conflict; the ones before it
+    # that matched were sent as well (the caller's transaction undoes them).
+    without_device.status = StepStatus.CANCELED
+    with_device.progress = 50
+    writes.update(
+        StepRun, [without_device], ["status"], status_in=(StepStatus.PENDING,), conflict=LookupError("first")
+    )
+    writes.update(
+        StepRun, [with_device], ["progress"], status_in=(StepStatus.DISPATCHED,), conflict=ValueError("moved")
+    )
+    with pytest.raises(ValueError, match="moved"):
+        writes.send()
+    assert StepRun.objects.get(pk=without_device.pk).status == StepStatus.CANCELED
+    assert StepRun.objects.get(pk=with_device.pk).progress is None
+    assert writes.send() == []  # nothing left queued
+
+
+def test_created_rows_get_their_ids_and_read_back_as_the_orm_wrote_them(rows):
+    run, device, _, _ = rows
+    now = timezone.now()
+    new = [
+        StepRun(run=run, index=5, device=device, action="close", args={"v": "50%"}, status=StepStatus.QUEUED),
+        StepRun(run=run, index=6, device=device, action="open", queued_at=now, deadline=now),
+    ]
+    rows_create(StepRun, new)
+    assert all(row.pk and not row._state.adding for row in new)
+    assert new[1].pk != new[0].pk
+    for row in new:
+        assert fields_of(StepRun.objects.get(pk=row.pk)) == fields_of(row)
+    # the unique (run, phase, index, device) constraint still holds
+    with pytest.raises(IntegrityError), transaction.atomic():
+        rows_create(StepRun, [StepRun(run=run, index=5, device=device, action="again")])
