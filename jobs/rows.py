@@ -6,8 +6,10 @@ executemany of one UPDATE or INSERT costs a fraction of that, and an UPDATE can 
 compare-and-set per row. Values still go through each field's own preparation, so JSON,
 UUIDs and datetimes are stored exactly as the ORM stores them.
 
-Reads on that path (`rows_select`) likewise skip the ORM's per-query compilation and
-build the same model instances from one prepared column list.
+The writes of one transition are queued in a `Writes` and sent together, so that on
+PostgreSQL they cost one round trip; new rows whose ids are needed go through
+`rows_create`. Reads on that path (`rows_select`) likewise skip the ORM's per-query
+compilation and build the same model instances from one prepared column list.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from django.db.models import Model
 
 
 def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tuple, match: str) -> tuple:
-    """The compare-and-set UPDATE of `rows_update` and its parameter rows."""
+    """UPDATE each row's `fields` by primary key while its status is one of `status_in` (and
+    its `match` field still has the value the row holds): the statement and its parameter
+    rows, one compare-and-set per row at the cost of a plain UPDATE, where the ORM's
+    bulk_update would build a CASE per field and row."""
     meta, quote = model._meta, connection.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     sets = ", ".join(f"{quote(c.column)} = %s" for c in columns)
@@ -46,20 +51,6 @@ def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tup
     marks = ", ".join(["%s"] * len(columns))
     params = [[c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns] for row in rows]
     return f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params
-
-
-def rows_update(
-    model: type[Model], rows: list, fields: list[str], *, status_in: tuple, match: str = ""
-) -> int:
-    """UPDATE each row's `fields` by primary key while its status is one of `status_in`
-    (and its `match` field still has the value the row holds); returns the rows changed.
-
-    One statement for all rows (executemany): a compare-and-set per row at the cost of a
-    plain UPDATE, where the ORM's bulk_update would build a CASE per field and row.
-    """
-    if not rows:
-        return 0
-    return _execute(*_update_sql(model, rows, fields, status_in, match))
 
 
 def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> None:
@@ -127,7 +118,8 @@ class Writes:
         match: str = "",
         conflict: Exception | None = None,
     ) -> None:
-        """`rows_update`, sent with the others; a count other than len(rows) raises `conflict`."""
+        """Queue a compare-and-set UPDATE of `rows` (`_update_sql`); a row count other than
+        len(rows) raises `conflict` when sent."""
         if rows:
             self._queued.append((*_update_sql(model, rows, fields, status_in, match), conflict))
 
