@@ -21,7 +21,7 @@ from iotqueue.metrics import MetricsBatch
 
 from .metrics import LOCK_WAIT, RUNS, RUNS_STARTED, STEP_DURATION, STEP_RETRIES, STEPS
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
-from .rows import Writes, rows_insert
+from .rows import Writes
 
 log = logging.getLogger("jobs.timeline")
 
@@ -125,18 +125,15 @@ class EventLog:
         self.events.append(event_new(kind, **fields))
         self.metrics.extend(event_metrics(kind, fields.get("step_run")))
 
-    def insert(self, writes: Writes | None = None) -> None:
-        """Write the events gathered so far (one statement) and start afresh; with `writes`,
-        the statement joins those (sent when the caller sends them)."""
+    def insert(self, writes: Writes) -> None:
+        """Queue the events gathered so far in `writes` (one INSERT, sent when the caller
+        sends them) and start afresh."""
         if self.events:
             events, self.events = self.events, []
             now = timezone.now()
             for event in events:
                 event.created_at = now
-            if writes is not None:
-                writes.insert(RunEvent, events, EVENT_FIELDS)
-            else:
-                rows_insert(RunEvent, events, EVENT_FIELDS)
+            writes.insert(RunEvent, events, EVENT_FIELDS)
             lifecycle = [event for event in events if event.kind in LIFECYCLE_KINDS]
             for event in lifecycle:
                 if event.kind in RUN_END_KINDS:

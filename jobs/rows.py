@@ -44,20 +44,15 @@ def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tu
 
 
 def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tuple:
-    """The INSERT of `rows_insert` and its parameter rows."""
+    """INSERT the rows' `fields` (attribute names; a foreign key by its field name): the
+    statement and its parameter rows. Primary keys are not read back: for rows nothing
+    refers to afterwards."""
     meta, quote = model._meta, connection.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     names = ", ".join(quote(c.column) for c in columns)
     marks = ", ".join(["%s"] * len(columns))
     params = [[c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns] for row in rows]
     return f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params
-
-
-def rows_insert(model: type[Model], rows: list[Model], fields: list[str]) -> None:
-    """INSERT the rows' `fields` (attribute names; a foreign key by its field name) in one
-    statement. Primary keys are not read back: for rows nothing refers to afterwards."""
-    if rows:
-        _execute(*_insert_sql(model, rows, fields))
 
 
 def rows_create(model: type[Model], rows: list[Model]) -> None:
@@ -124,7 +119,7 @@ class Writes:
             self._queued.append((*_update_sql(model, rows, fields, status_in, match), conflict))
 
     def insert(self, model: type[Model], rows: list[Model], fields: list[str]) -> None:
-        """`rows_insert`, sent with the others."""
+        """Queue an INSERT of `rows` (`_insert_sql`)."""
         if rows:
             self._queued.append((*_insert_sql(model, rows, fields), None))
 
@@ -182,15 +177,10 @@ def _send_one_text(cursor: Any, queued: list, reading: tuple | None) -> tuple[li
     return counts, (cursor.fetchall() if reading is not None else None)
 
 
-def _execute(sql: str, params: list[list]) -> int:
+def _execute_on(cursor: Any, sql: str, params: list[list]) -> int:
     """One statement per parameter row; returns the rows changed. A single row goes as a
     plain execute: psycopg runs executemany in pipeline mode, whose set-up costs more than
     the round trip it saves when there is one row (most small batches' writes)."""
-    with connection.cursor() as cursor:
-        return _execute_on(cursor, sql, params)
-
-
-def _execute_on(cursor: Any, sql: str, params: list[list]) -> int:
     if len(params) == 1:
         cursor.execute(sql, params[0])
     else:
