@@ -1,0 +1,1 @@
+"""Database backends of the project (Django's ENGINE setting names them)."""

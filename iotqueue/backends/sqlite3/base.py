@@ -1,0 +1,90 @@
+"""Django's SQLite backend, waiting for a locked database by polling instead of backing off.
+
+SQLite lets one connection write at a time. When the database is locked, SQLite's own busy
+handler (the `timeout` option) retries after sleeping 1, 2, 5, 10, … and then 100 ms
+between tries. In the dev stack a worker's batch holds the write lock for a few
+milliseconds and takes it again soon after, so a connection that backs off keeps missing
+the gaps: a run started over the API (or a batch behind it) waited 100 ms to 3 s for a lock
+that was free most of the time.
+
+Here the busy handler is off (busy_timeout 0) and a statement run outside a transaction
+— `BEGIN IMMEDIATE` opening every `atomic` block (settings.py), or an autocommit
+statement — is tried again every POLL_SECONDS until it gets the lock, for at most the
+`timeout` option's seconds. A statement that fails with "database is locked" outside a
+transaction changed nothing, so trying it again is safe. Inside a transaction (begun
+IMMEDIATE: the write lock is held) no statement waits for the lock. `executemany` outside a
+transaction commits row by row, so it is not tried again: it waits with SQLite's own busy
+handler, as before.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from django.db.backends.sqlite3 import base
+
+# How often a statement that found the database locked tries again (seconds).
+POLL_SECONDS = 0.0005
+# The `timeout` option's default in Python's sqlite3 (seconds).
+TIMEOUT_DEFAULT = 5.0
+
+
+def is_locked(exc: sqlite3.OperationalError) -> bool:
+    return str(exc).startswith(("database is locked", "database table is locked"))
+
+
+class PollingCursor(base.SQLiteCursorWrapper):
+    """Django's cursor; a statement outside a transaction waits for the lock by polling."""
+
+    def __init__(self, connection: sqlite3.Connection, timeout: float) -> None:
+        super().__init__(connection)
+        self.lock_timeout = timeout
+
+    def execute(self, query, params=None):
+        if self.connection.in_transaction:
+            return super().execute(query, params)
+        deadline = None
+        while True:
+            try:
+                return super().execute(query, params)
+            except sqlite3.OperationalError as exc:
+                if not is_locked(exc) or self.connection.in_transaction:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.lock_timeout
+                if now >= deadline:
+                    raise
+            time.sleep(POLL_SECONDS)
+
+    def executemany(self, query, param_list):
+        if self.connection.in_transaction:
+            return super().executemany(query, param_list)
+        busy_timeout_set(self.connection, self.lock_timeout)
+        try:
+            return super().executemany(query, param_list)
+        finally:
+            busy_timeout_set(self.connection, 0)
+
+
+def busy_timeout_set(connection: sqlite3.Connection, seconds: float) -> None:
+    connection.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
+
+class DatabaseWrapper(base.DatabaseWrapper):
+    lock_timeout = TIMEOUT_DEFAULT
+
+    def get_connection_params(self):
+        params = super().get_connection_params()
+        self.lock_timeout = float(params.get("timeout", TIMEOUT_DEFAULT))
+        return params
+
+    def get_new_connection(self, conn_params):
+        # Connecting and the init commands still wait with the busy handler.
+        connection = super().get_new_connection(conn_params)
+        busy_timeout_set(connection, 0)
+        return connection
+
+    def create_cursor(self, name=None):
+        timeout = self.lock_timeout
+        return self.connection.cursor(factory=lambda connection: PollingCursor(connection, timeout))
