@@ -26,8 +26,10 @@ device with flow control.
 
 How it fails: each write is a compare-and-set whose count is checked. If another
 transition moved a row first (a cancel, a timeout, a duplicate reply in another batch),
-the transaction rolls back before any Redis write and the replies are applied one at a
-time instead. A database error after the Redis call rolls the transaction back: the new
+the transaction rolls back before any Redis write and the batch is applied again from a
+fresh read (CONFLICT_RETRIES times): the moved row's reply is then no longer current and
+goes the general way, the others still apply together. A batch that keeps conflicting is
+applied one reply at a time. A database error after the Redis call rolls the transaction back: the new
 rows' lock requests are withdrawn, devices already handed on are dispatched the general
 way, and the error is raised so the task runs again (the ended attempts are still in
 flight in the database, so the replies apply again; their releases are then stale and
@@ -109,6 +111,12 @@ DISPATCH_FIELDS = [
 PipeHook = Callable[[Any], Callable[[list], None] | None]
 
 
+# A batch that conflicts is read and applied again this many times before its replies are
+# applied one at a time. A conflict is another transition moving one of its rows first
+# (in practice an ack whose done another drain applied): the fresh read sees it.
+CONFLICT_RETRIES = 1
+
+
 class BatchConflict(Exception):
     """A row changed under the batch; nothing was written to Redis, apply one at a time."""
 
@@ -132,8 +140,13 @@ def transition_apply(
     replies: list[tuple[str, protocol.Reply]] = (),
     starts: list[str] = (),
     finally_: PipeHook | None = None,
+    retries: int = CONFLICT_RETRIES,
 ) -> None:
-    """Apply replies that arrived together and start pending runs (see the module docstring)."""
+    """Apply replies that arrived together and start pending runs (see the module docstring).
+
+    On a conflict the batch is read and applied again, `retries` times at most, then one
+    reply at a time.
+    """
     rows = {}
     if replies:
         command_ids = {reply.command_id for _, reply in replies}
@@ -157,8 +170,16 @@ def transition_apply(
             _safely(partial(run_advance, run_id=run_id))
         for device, reply in replies:
             _safely(partial(step_reply, device=device, reply=reply))
+        batch.dispatches = []
+        batch.publish()  # nothing to publish: runs the caller's `finally_` commands
 
-    _transition(batch, prepare, one_at_a_time)
+    def again() -> None:
+        transition_apply(replies=replies, starts=starts, finally_=finally_, retries=retries - 1)
+
+    if retries > 0:
+        _transition(batch, prepare, again, "applying it again from a fresh read")
+    else:
+        _transition(batch, prepare, one_at_a_time, "applying one at a time")
 
 
 def run_begin(*, run_id: str) -> None:
@@ -166,11 +187,13 @@ def run_begin(*, run_id: str) -> None:
     transition_apply(starts=[run_id])
 
 
-def _transition(batch: _Batch, prepare: Callable[[], None], one_at_a_time: Callable[[], None]) -> None:
+def _transition(
+    batch: _Batch, prepare: Callable[[], None], conflicted: Callable[[], None], conflicted_what: str
+) -> None:
     """The shared shape of a batched transition: `prepare` writes what ended and who moves
     on; then the next rows, the lock call, the dispatches, the events, the commit, the
     publishes; then the general-path leftovers. A conflict before the lock call rolls
-    everything back and hands over to `one_at_a_time`."""
+    everything back and hands over to `conflicted` (which runs the caller's `finally_`)."""
     try:
         with transaction.atomic():
             prepare()
@@ -179,10 +202,8 @@ def _transition(batch: _Batch, prepare: Callable[[], None], one_at_a_time: Calla
             batch.handed_dispatch()
             batch.dispatches_write()
     except BatchConflict as conflict:
-        log.info("batched transition: %s; applying one at a time", conflict)
-        one_at_a_time()
-        batch.dispatches = []
-        batch.publish()  # nothing to publish: runs the caller's `finally_` commands
+        log.info("batched transition: %s; %s", conflict, conflicted_what)
+        conflicted()
         return
     except Exception:
         batch.undo()

@@ -97,6 +97,75 @@ def test_a_cancel_between_reading_and_writing_a_batch_wins(stack, manual_device,
     assert hand.next_command()["action"] == "cancel"
 
 
+def test_a_conflict_applies_the_batch_again_and_the_other_replies_still_go_together(
+    stack, manual_device, monkeypatch
+):
+    # given two runs with a step in flight each, and a cancel of the second run that lands
+    # after the batch read its rows (the first read only)
+    device_a, hand_a, run_a, first_a = two_steps_on_one_device(manual_device)
+    device_b, _, run_b, first_b = two_steps_on_one_device(manual_device)
+    real_init = engine_batch._Batch.__init__
+    reads = []
+
+    def cancel_after_first_read(self, rows):
+        real_init(self, rows)
+        reads.append(set(rows))
+        if len(reads) == 1:
+            run_cancel(run=JobRun.objects.get(pk=run_b.pk), by="tester")
+
+    monkeypatch.setattr(engine_batch._Batch, "__init__", cancel_after_first_read)
+
+    # when both devices' dones arrive in one batch
+    engine_batch.transition_apply(
+        replies=[(device_a.name, done(first_a["id"])), (device_b.name, done(first_b["id"]))]
+    )
+
+    # then the batch was read twice; the canceled run's done is stale and it has no next step
+    assert len(reads) == 2
+    step_b = StepRun.objects.get(run=run_b, index=0)
+    assert (JobRun.objects.get(pk=run_b.pk).status, step_b.status) == (
+        RunStatus.CANCELED,
+        StepStatus.CANCELED,
+    )
+    assert RunEvent.objects.filter(kind="reply.stale", step_run=step_b).exists()
+    assert not StepRun.objects.filter(run=run_b, index=1).exists()
+    # and the other run moved on in the second batch, its end and its next dispatch in
+    # one transition (a batch's events share one time)
+    step_a0, step_a1 = StepRun.objects.get(run=run_a, index=0), StepRun.objects.get(run=run_a, index=1)
+    assert step_a0.status == StepStatus.SUCCEEDED
+    ended = RunEvent.objects.get(kind="step.succeeded", step_run=step_a0)
+    dispatched = RunEvent.objects.get(kind="step.dispatched", step_run=step_a1)
+    assert ended.created_at == dispatched.created_at
+    second = hand_a.next_command()
+    assert (second["step"], second["id"]) == (1, step_a1.command_id)
+
+
+def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, manual_device, monkeypatch):
+    # given a step in flight, and batches that always find a row moved under them
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    conflicts, hooks = [], []
+
+    def always_moved(self):
+        conflicts.append(1)
+        raise engine_batch.BatchConflict("a run moved meanwhile (injected)")
+
+    monkeypatch.setattr(engine_batch._Batch, "runs_continue", always_moved)
+
+    # when the device's done is applied with a finally_ hook (the inbox's acknowledgement)
+    engine_batch.transition_apply(
+        replies=[(device.name, done(first["id"]))], finally_=lambda pipe: hooks.append(1)
+    )
+
+    # then the batch was tried 1 + CONFLICT_RETRIES times, then the reply was applied on
+    # the general path, and the hook ran once
+    assert len(conflicts) == 1 + engine_batch.CONFLICT_RETRIES
+    assert hooks == [1]
+    step0 = StepRun.objects.get(run=run, index=0)
+    assert step0.status == StepStatus.SUCCEEDED
+    second = hand.next_command()
+    assert (second["step"], second["id"]) == (1, StepRun.objects.get(run=run, index=1).command_id)
+
+
 def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manual_device, monkeypatch):
     # given a step in flight, and a database failure right after the batch's lock call
     device, hand, run, first = two_steps_on_one_device(manual_device)
