@@ -143,7 +143,7 @@ def _baseline_phase(stack: BenchStack, args: argparse.Namespace) -> dict[str, An
 def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack) -> dict[str, Any]:
     """Warm-up, the saturated phase (all runs at once), then the paced phase."""
     from . import workload
-    from .timed_simulator import INSTANT, TimedSimulator
+    from .timed_simulator import INSTANT, SimulatorProcess
 
     rng = random.Random(SEED)
     fleet = workload.fleet_create(devices=args.devices, shared_devices=SHARED_DEVICES)
@@ -160,7 +160,7 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
     say(f"engine: {args.devices} devices ({SHARED_DEVICES} shared), worker prefork x2, bridge, beat")
     counting = not args.no_sql_count
     stack.engine_start(sql_count=counting)
-    simulator = TimedSimulator(dict.fromkeys(fleet.names, INSTANT), url=stack.broker.url, seed=SEED)
+    simulator = SimulatorProcess(dict.fromkeys(fleet.names, INSTANT), url=stack.broker.url, seed=SEED)
     simulator.start()
     exits.callback(simulator.stop)
 
@@ -168,11 +168,12 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
         # Read after the previous phase's last counts have reached Redis (settle), and again
         # once this phase's have: a few idle monitor ticks fall inside, nothing else.
         sql_before = counts_read(SQL_COUNTED_CHILDREN) if counting else None
-        before = cpu_sample(stack.cpu_roots())
+        roots = {**stack.cpu_roots(), "devices": simulator.pid}
+        before = cpu_sample(roots)
         started, run_ids = workload.phase_run(
             runs, tag=tag, timeout=args.seconds_timeout, say=say, interval=interval
         )
-        after = cpu_sample(stack.cpu_roots())
+        after = cpu_sample(roots)
         measured = workload.phase_measure(tag=tag, started=started, run_ids=run_ids, simulator=simulator)
         measured["cpu"] = cpu_report(before, after, steps=measured["steps"])
         per_step = measured["cpu"]["ms_per_step"]

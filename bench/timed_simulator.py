@@ -11,11 +11,14 @@ module unnecessary.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+import django
 
 from devtools.simulator import DeviceBehaviour, SimulatedDevice, Simulator
 
@@ -49,6 +52,84 @@ class TimedSimulator(Simulator):
             name: TimedDevice(name, behaviour, timers=self._timers, rng=rng, url=url)
             for name, behaviour in devices.items()
         }
+
+
+class SimulatorProcess:
+    """A TimedSimulator in a child process of its own.
+
+    A fleet does not run in the process that starts runs: in one process the hundred
+    devices' network threads and the bench's own work (starting runs, polling the database)
+    wait on one another for the GIL, and each database or Redis round trip of a run start
+    waited up to a switch interval for it. The child is spawned (no state of this process
+    is copied), sets Django up from the same environment, and answers `stats()` and
+    `deliveries()` over a pipe.
+    """
+
+    def __init__(self, devices: dict[str, DeviceBehaviour], *, url: str, seed: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_simulator_serve, args=(child, devices, url, seed), name="bench-simulator", daemon=True
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> None:
+        self._process.start()
+        self._answer()  # every device connected and subscribed
+
+    def stats(self) -> dict[str, Any]:
+        return self._ask("stats")
+
+    def deliveries(self) -> list[Delivery]:
+        return self._ask("deliveries")
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._ask("stop")
+            except (EOFError, OSError):
+                pass
+            self._process.join(10.0)
+        if self._process.is_alive():
+            self._process.kill()
+
+    def _ask(self, what: str) -> Any:
+        self._conn.send(what)
+        return self._answer()
+
+    def _answer(self) -> Any:
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"bench simulator process: {value}")
+        return value
+
+
+def _simulator_serve(conn, devices: dict[str, DeviceBehaviour], url: str, seed: int) -> None:
+    """The child's side of SimulatorProcess: run the simulator, answer until `stop`."""
+    django.setup()
+    simulator = TimedSimulator(devices, url=url, seed=seed)
+    try:
+        simulator.start()
+    except Exception as exc:
+        conn.send(("error", repr(exc)))
+        return
+    conn.send(("ok", None))
+    while True:
+        what = conn.recv()
+        try:
+            if what == "stats":
+                conn.send(("ok", simulator.stats()))
+            elif what == "deliveries":
+                conn.send(("ok", deliveries(simulator)))
+            elif what == "stop":
+                simulator.stop()
+                conn.send(("ok", None))
+                return
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
 
 
 @dataclass(frozen=True)

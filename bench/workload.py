@@ -26,10 +26,10 @@ from jobs.models import (
     StepRun,
     StepStatus,
 )
-from jobs.services import run_start
+from jobs.services import run_start, template_version_record
 
 from .report import spread_ms
-from .timed_simulator import TimedSimulator, deliveries, handoffs
+from .timed_simulator import SimulatorProcess, handoffs
 
 # Any action will do: the simulated devices answer every action alike, at once.
 STEP_ACTION = "noop"
@@ -71,7 +71,11 @@ def fleet_create(*, devices: int, shared_devices: int) -> Fleet:
 def templates_create(
     *, tag: str, count: int, steps: int, fleet: Fleet, shared: float, rng: random.Random
 ) -> list[JobTemplate]:
-    """`count` templates of `steps` steps; each step is on a shared device with probability `shared`."""
+    """`count` templates of `steps` steps; each step is on a shared device with probability `shared`.
+
+    Each template's first version is recorded here, as saving a template in the admin or the
+    API records it, so a run start only reads it (jobs/services.py).
+    """
     devices = {d.name: d for d in Device.objects.filter(name__in=fleet.names)}
     templates = JobTemplate.objects.bulk_create(
         [JobTemplate(name=f"{tag}-{i:05d}", description="bench") for i in range(count)]
@@ -83,6 +87,8 @@ def templates_create(
             device = devices[rng.choice(pool)]
             rows.append(JobStep(template=template, position=position, device=device, action=STEP_ACTION))
     JobStep.objects.bulk_create(rows)
+    for template in templates:
+        template_version_record(template=template)
     return templates
 
 
@@ -136,7 +142,7 @@ def phase_run(
 
 
 def phase_measure(
-    *, tag: str, started: float, run_ids: list[str], simulator: TimedSimulator
+    *, tag: str, started: float, run_ids: list[str], simulator: SimulatorProcess
 ) -> dict[str, Any]:
     """Throughput, hand-off, lock-wait and failure figures of one finished phase."""
     runs = JobRun.objects.filter(triggered_by=tag)
@@ -145,7 +151,7 @@ def phase_measure(
     steps = StepRun.objects.filter(run__triggered_by=tag)
     succeeded = steps.filter(status=StepStatus.SUCCEEDED).count()
     failed = runs.exclude(status=RunStatus.SUCCEEDED)
-    found = deliveries(simulator)
+    found = simulator.deliveries()
     run_samples, ready_samples = handoffs(found, set(run_ids))
     return {
         "runs": len(run_ids),
