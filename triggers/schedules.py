@@ -196,6 +196,9 @@ def run_ended(sender, event: RunEvent, **kwargs) -> None:
     """
     if event.run_id is None:
         return
+    run = event.run if type(event).run.is_cached(event) else None
+    if run is not None and run.trigger != Trigger.SCHEDULE:
+        return  # only scheduled runs have a ScheduledRun: no query inside the engine's batch
     waiting = ScheduledRun.objects.filter(run_id=event.run_id, schedule__queued_fire__isnull=False)
     for schedule_id in waiting.values_list("schedule_id", flat=True):
         transaction.on_commit(lambda schedule_id=schedule_id: _queued_start_enqueue(schedule_id))

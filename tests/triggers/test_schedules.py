@@ -10,6 +10,7 @@ from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus, Trigger
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobTemplateFactory, template_with_steps
+from triggers import schedules
 from triggers.models import Overlap, Schedule, ScheduledRun
 from triggers.schedules import schedule_fire, schedule_save
 
@@ -208,3 +209,25 @@ def test_a_template_without_steps_records_the_failed_fire(stack):
 
     event = RunEvent.objects.get(kind="schedule.failed")
     assert "no steps" in event.message and event.data == {"schedule": schedule.name, "fire": 1}
+
+
+@pytest.mark.parametrize("trigger", [Trigger.REST, Trigger.CANVAS])
+def test_the_end_of_a_run_no_schedule_started_reads_no_schedule(trigger, django_assert_num_queries):
+    # given the end event of a run started otherwise than by a schedule, its run at hand
+    # (as the engine's batch has it)
+    run = JobRun.objects.create(template=JobTemplateFactory(), plan=[], trigger=trigger)
+    event = RunEvent(run=run, kind="run.succeeded")
+
+    # when the schedules' receiver sees it, inside the engine's transaction
+    # then it asks the database nothing
+    with django_assert_num_queries(0):
+        schedules.run_ended(sender=RunEvent, event=event)
+
+
+def test_the_end_of_a_scheduled_run_looks_for_its_schedule(django_assert_num_queries):
+    run = JobRun.objects.create(template=JobTemplateFactory(), plan=[], trigger=Trigger.SCHEDULE)
+    with django_assert_num_queries(1):
+        schedules.run_ended(sender=RunEvent, event=RunEvent(run=run, kind="run.succeeded"))
+    # and so does one whose run is not at hand
+    with django_assert_num_queries(1):
+        schedules.run_ended(sender=RunEvent, event=RunEvent(run_id=run.pk, kind="run.succeeded"))
