@@ -16,7 +16,7 @@ from devices.protocol import Reply
 
 from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, dispatch, due, reply, taskstep
+from .engine import batch, batch_locks, dispatch, due, reply, taskstep
 from .models import JobRun
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def run_advance_task(run_id: str) -> None:
 @shared_task(
     bind=True,
     name=inbox.DRAIN_TASK,
-    autoretry_for=(DatabaseError, RedisError, batch.BatchRetry),
+    autoretry_for=(DatabaseError, RedisError, batch_locks.BatchRetry),
     default_retry_delay=0.2,
     max_retries=10,
 )
