@@ -32,14 +32,14 @@ transition moved a row first (a cancel, a timeout, a duplicate reply in another 
 the transaction rolls back before any Redis write and the batch is applied again from a
 fresh read (CONFLICT_RETRIES times): the moved row's reply is then no longer current and
 goes the general way, the others still apply together. A batch that keeps conflicting is
-applied one reply at a time. A database error after the Redis call rolls the transaction back: the new
-rows' lock requests are withdrawn, devices already handed on are dispatched the general
-way, and the error is raised so the task runs again (the ended attempts are still in
-flight in the database, so the replies apply again; their releases are then stale and
-change nothing). A worker killed inside that window leaves a lock held for a row that
-was never committed; its lease runs out and the monitor passes it on
-(devices/lock_recovery.py), and the monitor takes over the inbox entries the dead
-worker had read and applies them again (jobs/inbox.py).
+applied one reply at a time. A database error after the Redis call rolls the transaction
+back: the new rows' lock requests are withdrawn, devices already handed on are
+dispatched the general way, and the error is raised so the task runs again (the ended
+attempts are still in flight in the database, so the replies apply again; their releases
+are then stale and change nothing). A worker killed inside that window leaves a lock
+held for a row that was never committed; its lease runs out and the monitor passes it on
+(devices/lock_recovery.py), and the monitor takes over the inbox entries the dead worker
+had read and applies them again (jobs/inbox.py).
 """
 
 from __future__ import annotations
