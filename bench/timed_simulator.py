@@ -128,6 +128,8 @@ def _simulator_serve(conn, devices: dict[str, DeviceBehaviour], url: str, seed: 
                 simulator.stop()
                 conn.send(("ok", None))
                 return
+            else:
+                conn.send(("error", f"unknown request {what!r}"))
         except Exception as exc:
             conn.send(("error", repr(exc)))
 

@@ -41,6 +41,7 @@ from django.utils import timezone
 
 from devices.models import Device
 
+from .events import event_run
 from .models import RUN_TERMINAL, CanvasLink, JobStep, JobTemplate, RunStatus, StepRun, Trigger
 from .services import PLAN_FIELDS, RunStartError, run_start
 
@@ -147,7 +148,7 @@ def canvas_park(
 
 def run_ended(sender, event, **kwargs) -> None:
     """jobs.events.run_ended: a canvas run's link resumes after the transaction commits."""
-    run = event.run if type(event).run.is_cached(event) else None
+    run = event_run(event)
     if run is None or run.trigger != Trigger.CANVAS:
         return
     run_id = str(run.pk)

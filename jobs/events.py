@@ -90,6 +90,11 @@ def event_new(
     return event
 
 
+def event_run(event: RunEvent) -> JobRun | None:
+    """The event's run when `event_new` kept it on the event, without a query; else None."""
+    return event.run if RunEvent.run.is_cached(event) else None
+
+
 def event_record(kind: str, **fields: Any) -> RunEvent:
     """Append an event (fields as `event_new`), log it with the run, step, device and
     command id, count it."""

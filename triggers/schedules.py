@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 
-from jobs.events import event_record
+from jobs.events import event_record, event_run
 from jobs.models import RUN_TERMINAL, JobRun, RunEvent, Trigger
 from jobs.services import RunStartError, run_start
 
@@ -196,7 +196,7 @@ def run_ended(sender, event: RunEvent, **kwargs) -> None:
     """
     if event.run_id is None:
         return
-    run = event.run if type(event).run.is_cached(event) else None
+    run = event_run(event)
     if run is not None and run.trigger != Trigger.SCHEDULE:
         return  # only scheduled runs have a ScheduledRun: no query inside the engine's batch
     waiting = ScheduledRun.objects.filter(run_id=event.run_id, schedule__queued_fire__isnull=False)
