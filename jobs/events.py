@@ -31,9 +31,11 @@ log = logging.getLogger("jobs.timeline")
 run_ended = Signal()
 RUN_END_KINDS = frozenset(f"run.{status}" for status in RUN_TERMINAL)
 # Sent (with events=, a non-empty list of saved RunEvents of these kinds) once per
-# `event_record` and once per batched INSERT, in the transaction that wrote them: the run
-# lifecycle other systems are told about (webhooks, MQTT events). Receivers must stay cheap
-# (no query per event on the engine's path) and act only after the commit. step.aborted is
+# `event_record`, in the transaction that wrote it, and once per batch, after its commit
+# and after its commands left (`EventLog.committed`): the run lifecycle other systems are
+# told about (webhooks, MQTT events). Receivers must stay cheap (no query per event on the
+# engine's path) and act only after the commit (`transaction.on_commit`, which runs at once
+# outside a transaction). step.aborted is
 # a fan-out stopped by one of its abort criteria; step.rejected a device that refused.
 lifecycle_events = Signal()
 LIFECYCLE_KINDS = RUN_END_KINDS | {
@@ -72,7 +74,8 @@ def event_new(
     message: str = "",
     **data: Any,
 ) -> RunEvent:
-    """An event not yet saved, logged already (for `events_insert` to write with others)."""
+    """An event not yet saved or logged (`event_record` saves and logs it; `EventLog` writes
+    it with others and logs it once they are committed)."""
     if step_run is not None:
         run_id = step_run.run_id
         device = device or step_run.device_name
@@ -82,8 +85,6 @@ def event_new(
             data.setdefault("command_id", step_run.command_id)
     else:
         run_id = run.pk if run is not None else None
-    if log.isEnabledFor(logging.INFO):
-        _event_log(kind, run_id, device, message, data)
     event = RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
     if run is not None:
         event.run = run  # kept for the run_ended receivers (no query to read the run back)
@@ -100,6 +101,7 @@ def event_record(kind: str, **fields: Any) -> RunEvent:
     command id, count it."""
     event = event_new(kind, **fields)
     event.save(force_insert=True)
+    _event_log(event)
     if kind in RUN_END_KINDS:
         run_ended.send(sender=RunEvent, event=event)
     if kind in LIFECYCLE_KINDS:
@@ -119,11 +121,16 @@ class EventLog:
     """The events of one batched transition: written in one INSERT, counted in one batch.
 
     Metrics are taken when an event is added (from the step row as it is then), and sent
-    by the caller once the transaction committed.
+    by the caller once the transaction committed. The events are logged, and the lifecycle
+    ones told to `lifecycle_events`, by `committed`, which the caller calls once the
+    transaction committed and its commands left: the log and the outside hear only of
+    transitions that happened, and neither delays the next command. (`run_ended` is sent
+    as they are written: its receivers write in the same transaction.)
     """
 
     def __init__(self) -> None:
         self.events: list[RunEvent] = []
+        self.written: list[RunEvent] = []
         self.metrics = MetricsBatch()
 
     def add(self, kind: str, **fields: Any) -> None:
@@ -139,15 +146,27 @@ class EventLog:
             for event in events:
                 event.created_at = now
             writes.insert(RunEvent, events, EVENT_FIELDS)
-            lifecycle = [event for event in events if event.kind in LIFECYCLE_KINDS]
-            for event in lifecycle:
+            self.written.extend(events)
+            for event in events:
                 if event.kind in RUN_END_KINDS:
                     run_ended.send(sender=RunEvent, event=event)
-            if lifecycle:
-                lifecycle_events.send(sender=RunEvent, events=lifecycle)
+
+    def committed(self) -> None:
+        """The events written are committed: log them, and send the lifecycle ones."""
+        written, self.written = self.written, []
+        for event in written:
+            _event_log(event)
+        lifecycle = [event for event in written if event.kind in LIFECYCLE_KINDS]
+        if lifecycle:
+            lifecycle_events.send(sender=RunEvent, events=lifecycle)
 
 
-def _event_log(kind: str, run_id: Any, device: str, message: str, data: dict[str, Any]) -> None:
+def _event_log(event: RunEvent) -> None:
+    """One `jobs.timeline` line for an event, with its run, step, device and command id also
+    as separate fields (for JSON logs)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    kind, run_id, device, message, data = event.kind, event.run_id, event.device, event.message, event.data
     index, command_id = data.get("index"), data.get("command_id")
     details = {k: v for k, v in data.items() if k not in LOGGED_FIELDS}
     log.info(

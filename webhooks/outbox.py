@@ -1,6 +1,7 @@
 """From the run timeline to the outside: lifecycle events to MQTT, webhooks and admins' mail.
 
-The engine sends `jobs.events.lifecycle_events` inside its transaction. The receiver here
+The engine sends `jobs.events.lifecycle_events` in the transaction that wrote the events,
+or, for a batched transition, once it committed and its commands left. The receiver here
 does no query: it turns the events into JSON and, after the commit, sends one
 `webhooks.events_out` task for them (none when nothing would consume them). That task reads
 the runs once, publishes the MQTT events, creates a Delivery per matching webhook and

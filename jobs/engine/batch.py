@@ -17,7 +17,8 @@ for new runs to start, and a worker takes what has gathered in the inbox
 4. marks dispatched the rows that got a lock — its own new rows, and other runs' rows the
    releases handed a device to — inserts every event, and commits;
 5. publishes every resulting command at once (QoS 1, acknowledgements awaited together),
-   then clears their `send` deadlines and counts the metrics in one pipeline.
+   then clears their `send` deadlines and counts the metrics in one pipeline; only then
+   are the events logged and the lifecycle ones sent out (`EventLog.committed`).
 
 Stages 1 and 2 are in batch_rows.py, 3 and 4 in batch_locks.py, 5 in batch_publish.py: the
 methods of `_Batch`, which holds the batch's state.
@@ -160,7 +161,10 @@ def _transition(
     except Exception:
         batch.undo()
         raise
-    batch.publish()
+    try:
+        batch.publish()
+    finally:
+        batch.events.committed()  # logged and told out once committed, after the commands left
     for work in batch.later:
         _safely(work)
 

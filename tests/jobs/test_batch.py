@@ -7,9 +7,10 @@ exactly; the run around it is started and continued by the real stack.
 """
 
 import json
+import logging
 
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection
 
 from devices.locks import device_lock_state
 from devices.protocol import Reply
@@ -17,7 +18,7 @@ from iotqueue.redis_conn import redis_connection
 from jobs import inbox
 from jobs.cancel import run_cancel
 from jobs.engine import batch as engine_batch
-from jobs.events import EventLog
+from jobs.events import EventLog, lifecycle_events
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for
@@ -204,6 +205,51 @@ def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manu
     assert (second["step"], second["id"]) == (1, step1.command_id)
     assert second["token"] > first["token"]
     assert device_lock_state(device.name).holder == f"step:{step1.pk}"
+
+
+def test_a_batch_logs_and_tells_out_its_events_only_once_committed(stack, manual_device, monkeypatch, caplog):
+    # given a step in flight, a lifecycle receiver, and a database failure right after the
+    # batch queued its events
+    device, _hand, run, first = two_steps_on_one_device(manual_device)
+    told = []
+
+    def lifecycle(sender, events, **kwargs):
+        told.append(([event.kind for event in events], connection.in_atomic_block))
+
+    lifecycle_events.connect(lifecycle, dispatch_uid="test-batch-lifecycle")
+    real_insert = EventLog.insert
+    failures = []
+
+    def insert_then_fail_once(self, *args, **kwargs):
+        real_insert(self, *args, **kwargs)
+        if not failures:
+            failures.append(1)
+            raise OperationalError("disk I/O error (injected)")
+
+    monkeypatch.setattr(EventLog, "insert", insert_then_fail_once)
+    try:
+        with caplog.at_level(logging.INFO, logger="jobs.timeline"):
+            caplog.clear()
+            # when the device's done (failed, so the run fails) is applied and rolls back
+            with pytest.raises(OperationalError):
+                engine_batch.transition_apply(replies=[(device.name, done(first["id"], ok=False))])
+
+            # then none of its events was logged or told out
+            assert not [r for r in caplog.records if r.name == "jobs.timeline"]
+            assert told == []
+
+            # when it is applied again and commits
+            engine_batch.transition_apply(replies=[(device.name, done(first["id"], ok=False))])
+    finally:
+        lifecycle_events.disconnect(dispatch_uid="test-batch-lifecycle")
+
+    # then each event is logged once, and the lifecycle ones are told once, outside the
+    # transaction
+    logged = [(r.event, r.command_id) for r in caplog.records if r.name == "jobs.timeline"]
+    assert logged.count(("step.failed", first["id"])) == 1
+    assert ("run.failed", None) in logged
+    assert told == [(["step.failed", "run.failed"], False)]
+    assert JobRun.objects.get(pk=run.pk).status == RunStatus.FAILED
 
 
 def test_a_batch_taken_by_a_worker_that_died_is_reclaimed_and_applied(stack, manual_device):
