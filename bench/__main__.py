@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from .cpu import cpu_report, cpu_sample
+from .report import spread_ms
 from .sql_count import counts_read, counts_report
 from .stack import SQL_COUNTED_CHILDREN, BenchStack, stack_open, stop_signals_install
 
@@ -26,6 +27,8 @@ SHARED_DEVICES = 5
 # The baseline is short (a second or two), so one burst from another program on the
 # machine moves it a lot: it is measured this many times and the median is kept.
 BASELINE_REPEATS = 3
+# Chains sent one after the other for raw Celery's hop latency (`steps` - 1 hops each).
+HOP_CHAINS = 30
 # The paced phase offers this fraction of the throughput the saturated phase measured:
 # below capacity, a hand-off is pipeline latency rather than time spent in a queue.
 PACED_LOAD = 0.5
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _baseline_phase(stack: BenchStack, args: argparse.Namespace) -> dict[str, Any]:
     """Median of BASELINE_REPEATS rounds of R chains of S links, after a warm-up."""
-    from .baseline import WARMUP_CHAINS, chains_run
+    from .baseline import WARMUP_CHAINS, chains_run, hops_run
 
     say(f"baseline: {args.runs} chains x {args.steps} no-op links at once, prefork x2")
     stack.baseline_worker_start()
@@ -134,10 +137,14 @@ def _baseline_phase(stack: BenchStack, args: argparse.Namespace) -> dict[str, An
             cpu = cpu_report(before, cpu_sample(stack.cpu_roots()), steps=result.links)
             rounds.append({**vars(result), "links_per_s": round(result.links_per_s, 1), "cpu": cpu})
             say(f"  {result.links} links in {result.seconds:.2f} s = {result.links_per_s:.1f} links/s")
+        hops = hops_run(chains=HOP_CHAINS, links=args.steps, queue=queue, timeout=timeout)
+        hop_ms = spread_ms(hops)
+        say(f"  hop, one chain at a time: p50 {hop_ms['p50']} ms, p99 {hop_ms['p99']} ms ({len(hops)} hops)")
     finally:
         stack.supervisor.stop("baseline-worker")
     median = sorted(rounds, key=lambda r: r["links_per_s"])[len(rounds) // 2]
-    return {**median, "rounds_links_per_s": [r["links_per_s"] for r in rounds]}
+    rounds_per_s = [r["links_per_s"] for r in rounds]
+    return {**median, "rounds_links_per_s": rounds_per_s, "hop_ms": hop_ms, "hops": len(hops)}
 
 
 def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack) -> dict[str, Any]:
@@ -257,6 +264,8 @@ def _result(
         "paced_handoff_p99_ms": paced.get("handoff_ms", {}).get("p99"),
         "trickle_handoff_p50_ms": trickle.get("handoff_ms", {}).get("p50"),
         "trickle_handoff_p99_ms": trickle.get("handoff_ms", {}).get("p99"),
+        "celery_hop_p50_ms": baseline["hop_ms"]["p50"] if baseline else None,
+        "celery_hop_p99_ms": baseline["hop_ms"]["p99"] if baseline else None,
         "commits_per_step": saturated.get("sql", {}).get("commits_per_step"),
         "statements_per_step": saturated.get("sql", {}).get("statements_per_step"),
         "cpu_ms_per_step": saturated["cpu_ms_per_step"],
