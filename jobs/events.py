@@ -152,13 +152,17 @@ class EventLog:
                     run_ended.send(sender=RunEvent, event=event)
 
     def committed(self) -> None:
-        """The events written are committed: log them, and send the lifecycle ones."""
+        """The events written are committed: log them, and send the lifecycle ones (a
+        receiver that raises is logged)."""
         written, self.written = self.written, []
         for event in written:
             _event_log(event)
         lifecycle = [event for event in written if event.kind in LIFECYCLE_KINDS]
         if lifecycle:
-            lifecycle_events.send(sender=RunEvent, events=lifecycle)
+            # After the commit a receiver's failure must not stop the batch's remaining work.
+            for receiver, answer in lifecycle_events.send_robust(sender=RunEvent, events=lifecycle):
+                if isinstance(answer, Exception):
+                    log.error("lifecycle_events receiver %s failed", receiver, exc_info=answer)
 
 
 def _event_log(event: RunEvent) -> None:

@@ -252,6 +252,30 @@ def test_a_batch_logs_and_tells_out_its_events_only_once_committed(stack, manual
     assert JobRun.objects.get(pk=run.pk).status == RunStatus.FAILED
 
 
+def test_a_lifecycle_receiver_that_fails_after_the_commit_is_logged_and_the_batch_goes_on(
+    stack, manual_device, caplog
+):
+    # given a step in flight and a lifecycle receiver that raises
+    device, _hand, run, first = two_steps_on_one_device(manual_device)
+
+    def broken(sender, events, **kwargs):
+        raise RuntimeError("receiver down (injected)")
+
+    lifecycle_events.connect(broken, dispatch_uid="test-batch-broken")
+    try:
+        # when the device's failed done is applied (the run fails: lifecycle events)
+        with caplog.at_level(logging.ERROR, logger="jobs.timeline"):
+            engine_batch.transition_apply(replies=[(device.name, done(first["id"], ok=False))])
+    finally:
+        lifecycle_events.disconnect(dispatch_uid="test-batch-broken")
+
+    # then the transition stands, and the failure is logged instead of raised
+    assert JobRun.objects.get(pk=run.pk).status == RunStatus.FAILED
+    assert StepRun.objects.get(run=run, index=0).status == StepStatus.FAILED
+    errors = [r for r in caplog.records if r.name == "jobs.timeline" and r.levelno == logging.ERROR]
+    assert any("receiver" in r.getMessage() and r.exc_info for r in errors)
+
+
 def test_a_batch_taken_by_a_worker_that_died_is_reclaimed_and_applied(stack, manual_device):
     # given a step in flight, and its done taken from the inbox by a worker that then died
     # (read under its consumer name, never acknowledged)
