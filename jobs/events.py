@@ -35,8 +35,8 @@ RUN_END_KINDS = frozenset(f"run.{status}" for status in RUN_TERMINAL)
 # and after its commands left (`EventLog.committed`): the run lifecycle other systems are
 # told about (webhooks, MQTT events). Receivers must stay cheap (no query per event on the
 # engine's path) and act only after the commit (`transaction.on_commit`, which runs at once
-# outside a transaction). step.aborted is
-# a fan-out stopped by one of its abort criteria; step.rejected a device that refused.
+# outside a transaction). step.aborted is a fan-out stopped by one of its abort criteria;
+# step.rejected a device that refused.
 lifecycle_events = Signal()
 LIFECYCLE_KINDS = RUN_END_KINDS | {
     "run.started",
