@@ -38,7 +38,7 @@ def leftovers(run, names: list[str]) -> dict[str, int]:
             held += state.holder is not None
             waiting += len(state.queue)
     conn = redis_connection()
-    stream = inbox._stream()
+    stream = inbox.INBOX.key()
     return {
         "open_rows": StepRun.objects.filter(run=run).exclude(status__in=STEP_TERMINAL).count(),
         "locks_held": held,

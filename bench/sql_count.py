@@ -125,7 +125,8 @@ def _after_fork() -> None:
 
 # BENCH_PROFILE_DIR=<dir>: each process forked from a counted one (prefork children) runs
 # under cProfile and writes <dir>/<component>-<pid>.prof when it exits; read them with
-# `python -m pstats`. For finding where a step's CPU goes, not for the reported figures.
+# `python -m pstats`. It times each function's CPU (thread time), not its wall time: for
+# finding where a step's CPU goes, not for the reported figures.
 _profile = None
 
 
@@ -136,7 +137,7 @@ def _profile_start() -> None:
         return
     import cProfile
 
-    _profile = cProfile.Profile()
+    _profile = cProfile.Profile(time.thread_time)
     _profile.enable()
 
 

@@ -391,6 +391,10 @@ IOTQUEUE_MAX_PAYLOAD_BYTES = env.int("IOTQUEUE_MAX_PAYLOAD_BYTES", default=64 * 
 # --- Run events out (webhooks/) -----------------------------------------------------------
 # Run lifecycle events on P/events/runs/<run id> (QoS 1) for consumers without HTTP.
 IOTQUEUE_RUN_EVENTS_MQTT = env.bool("IOTQUEUE_RUN_EVENTS_MQTT", default=True)
+# Lifecycle events wait in a Redis stream until the webhooks.events_out task sends them
+# out; the task starts this long after the event that woke it, and takes every event
+# gathered meanwhile at once (one query for their runs, one for the webhooks).
+IOTQUEUE_EVENTS_OUT_GATHER_MS = env.float("IOTQUEUE_EVENTS_OUT_GATHER_MS", default=50.0)
 # Mail the ADMINS (mail_admins, Django's EMAIL_* settings) when a run fails, times out or is
 # rolled back.
 IOTQUEUE_FAILED_RUN_EMAIL = env.bool("IOTQUEUE_FAILED_RUN_EMAIL", default=False)

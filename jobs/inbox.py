@@ -9,45 +9,40 @@ consumer group, applies it
 as one batched transition (jobs/engine/batch.py), acknowledges it, and takes again until
 the stream is empty or its time slice is over. Under saturation batches thus grow by
 themselves, with no Celery message per reply or run and no two batches competing for the
-same rows; at low load a batch is the one reply that woke the worker.
+same rows; at low load a batch is the one reply that woke the worker. The stream's
+mechanics (wake flag, consumer group, take-over) are iotqueue/workstream.py's; the drain
+loop, its linger and its helper are this module's.
 
 How it fails: an entry is acknowledged only after its batch committed and published. A
 worker that dies (or whose batch raised) leaves the entries it took pending under its
 consumer name; a retried task takes its own pending entries again first, and the monitor
-re-claims entries pending longer than RECLAIM_IDLE_SECONDS from consumers that are gone.
-A lost wake-up (its worker died before draining) is covered by the flag's expiry: the
-next entry appended after it sends a new one. Redis losing the stream loses what was in
-it, as it would lose Celery's queue: replies' attempts time out and are retried, and the
-monitor's sweep starts runs that stayed pending.
+re-claims entries pending longer than workstream.RECLAIM_IDLE_SECONDS from consumers that
+are gone. A lost wake-up (its worker died before draining) is covered by the flag's
+expiry: the next entry appended after it sends a new one. Redis losing the stream loses
+what was in it, as it would lose Celery's queue: replies' attempts time out and are
+retried, and the monitor's sweep starts runs that stayed pending.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import redis
 from celery import current_app
 
-from iotqueue.redis_conn import redis_connection, redis_key
+from iotqueue.redis_conn import redis_connection
+from iotqueue.workstream import WAKE_TTL_MS, WorkStream
 
 log = logging.getLogger(__name__)
 
 DRAIN_TASK = "jobs.step_replies"
-GROUP = "workers"
-# A wake-up that was sent but never ran (its worker died first) stops blocking new ones
-# after this long.
-WAKE_TTL_MS = 5000
-# Entries pending this long under a consumer are taken over by the monitor (that consumer
-# is assumed gone: a batch takes milliseconds).
-RECLAIM_IDLE_SECONDS = 10.0
+INBOX = WorkStream("inbox", DRAIN_TASK)
+GROUP = INBOX.group
 # One task drains for at most this long, then hands over to a new task, so it never nears
 # Celery's time limits and other tasks get the worker too.
 DRAIN_SECONDS = 2.0
@@ -66,79 +61,14 @@ class Work:
 Apply = Callable[..., None]
 
 
-def _stream() -> str:
-    return redis_key("inbox")
-
-
-def _wake(helper: bool = False) -> str:
-    return redis_key("inbox-helper" if helper else "inbox-wake")
-
-
-def consumer_name() -> str:
-    """This process's consumer name: a retried task in the same process finds its own."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _append(fields: dict[str, str]) -> None:
-    conn = redis_connection()
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.xadd(_stream(), fields)
-        pipe.set(_wake(), "1", nx=True, px=WAKE_TTL_MS)
-        _, wake = pipe.execute()
-    if wake:
-        current_app.signature(DRAIN_TASK).delay()
-
-
 def replies_enqueue(replies: list[list]) -> None:
     """Bridge side: append a group of replies [[device, payload], ...]; wake a worker if due."""
-    _append({"r": json.dumps(replies, separators=(",", ":"))})
+    INBOX.append(redis_connection(), {"r": json.dumps(replies, separators=(",", ":"))})
 
 
 def run_enqueue(run_id: str) -> None:
     """Ask for a run (created and committed) to be started; wake a worker if due."""
-    _append({"s": run_id})
-
-
-def _group_ensure(conn: redis.Redis) -> None:
-    try:
-        conn.xgroup_create(_stream(), GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-def _read(
-    conn: redis.Redis,
-    *,
-    count: int,
-    own_pending: bool,
-    last: bool = False,
-    block_ms: int = 0,
-    helper: bool = False,
-) -> list[tuple[str, dict]]:
-    """Entries for this consumer: its own pending ones (id 0) or new ones (>).
-
-    Reading new entries keeps the wake flag alive (this drain is the outstanding wake-up);
-    the `last` read clears it first, so an entry appended after that read wakes a worker
-    and one appended before it is read here. `block_ms` waits that long for an entry.
-    """
-    streams = {_stream(): "0" if own_pending else ">"}
-    for _ in range(2):
-        try:
-            with conn.pipeline(transaction=False) as pipe:
-                if last:
-                    pipe.delete(_wake(helper))
-                else:
-                    pipe.set(_wake(helper), "1", px=WAKE_TTL_MS)
-                pipe.xreadgroup(GROUP, consumer_name(), streams, count=count, block=block_ms or None)
-                answer = pipe.execute()[-1]
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            _group_ensure(conn)  # first use, or Redis lost its data: read again
-            continue
-        return answer[0][1] if answer else []
-    return []
+    INBOX.append(redis_connection(), {"s": run_id})
 
 
 def _work(entries: list[tuple[str, dict]]) -> Work:
@@ -155,9 +85,7 @@ def _work(entries: list[tuple[str, dict]]) -> Work:
 
 def entries_done(ids: list[str], pipe: Any) -> None:
     """Acknowledge and delete applied entries (joins the caller's pipeline)."""
-    if ids:
-        pipe.xack(_stream(), GROUP, *ids)
-        pipe.xdel(_stream(), *ids)
+    INBOX.done(ids, pipe)
 
 
 def _done_and_read_next(
@@ -166,13 +94,12 @@ def _done_and_read_next(
     """`entries_done`, and the drain's next read in the same round trip (the batch's last
     pipeline): what waits is put in `into`; a failed read leaves it empty (read again)."""
     entries_done(ids, pipe)
-    pipe.set(_wake(helper), "1", px=WAKE_TTL_MS)
-    pipe.xreadgroup(GROUP, consumer_name(), {_stream(): ">"}, count=count)
+    INBOX.read_queue(pipe, count=count, helper=helper)
 
     def take(replies: list) -> None:
         answer = replies[-1]
         if not isinstance(answer, Exception):
-            into.append(answer[0][1] if answer else [])
+            into.append(INBOX.entries_of(answer))
 
     return take
 
@@ -199,26 +126,26 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
         if read_next:
             entries = read_next.pop()
         elif time.monotonic() < stop:
-            entries = _read(conn, count=count, own_pending=own_pending, helper=helper)
+            entries = INBOX.read(conn, count=count, own_pending=own_pending, helper=helper)
         else:
             break
         if not entries and own_pending:
             own_pending = False
             continue
         if not entries and helper:
-            conn.delete(_wake(helper=True))
+            conn.delete(INBOX.wake_key(helper=True))
             return done
         if not entries and linger_ms:
             # Stay a moment: at a steady trickle the next entry comes before a new task would.
-            entries = _read(conn, count=count, own_pending=False, block_ms=linger_ms)
+            entries = INBOX.read(conn, count=count, own_pending=False, block_ms=linger_ms)
         if not entries:
-            entries = _read(conn, count=count, own_pending=False, last=True)
+            entries = INBOX.read(conn, count=count, own_pending=False, last=True)
         if not entries:
             return done
         if (
             len(entries) == count
             and not helper
-            and conn.set(_wake(helper=True), "1", nx=True, px=WAKE_TTL_MS)
+            and conn.set(INBOX.wake_key(helper=True), "1", nx=True, px=WAKE_TTL_MS)
         ):
             current_app.signature(DRAIN_TASK, kwargs={"helper": True}).delay()
         ids = [entry_id for entry_id, _ in entries]
@@ -237,14 +164,7 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
 def inbox_reclaim(apply: Apply, *, count: int) -> int:
     """Monitor side: apply entries left pending by consumers that are gone; returns entries."""
     conn = redis_connection()
-    try:
-        _, entries, _ = conn.xautoclaim(
-            _stream(), GROUP, "reclaim", int(RECLAIM_IDLE_SECONDS * 1000), start_id="0-0", count=count
-        )
-    except redis.ResponseError as exc:
-        if "NOGROUP" not in str(exc):
-            raise
-        return 0
+    entries = INBOX.reclaim(conn, count=count, consumer="reclaim")
     if not entries:
         return 0
     ids = [entry_id for entry_id, _ in entries]

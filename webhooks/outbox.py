@@ -2,10 +2,22 @@
 
 The engine sends `jobs.events.lifecycle_events` in the transaction that wrote the events,
 or, for a batched transition, once it committed and its commands left. The receiver here
-does no query: it turns the events into JSON and, after the commit, sends one
-`webhooks.events_out` task for them (none when nothing would consume them). That task reads
-the runs once, publishes the MQTT events, creates a Delivery per matching webhook and
-enqueues their `webhooks.deliver` tasks, and the failed-run mail.
+does no query: it turns the events into JSON and, after the commit, appends them to the
+outbox, a Redis stream (iotqueue/workstream.py; nothing when nothing would consume them),
+in one round trip. The first entry that finds no drain outstanding sends the
+`webhooks.events_out` task, IOTQUEUE_EVENTS_OUT_GATHER_MS later, and that task takes every
+entry gathered by then at once: it reads their runs in one query, publishes the MQTT
+events, creates a Delivery per matching webhook and enqueues their `webhooks.deliver`
+tasks, and the failed-run mail; then takes again until the outbox is empty. So under load
+the engine pays one Redis call per transition for its events, not a Celery message, and
+the events go out in groups.
+
+How it fails: an entry is acknowledged only after its events went out. A task that fails
+on the database or Redis is retried and takes its own entries again first; entries left
+by a worker that died are taken over by the next drain once they are
+workstream.RECLAIM_IDLE_SECONDS old. An entry that fails otherwise (a bug, a malformed
+entry) is logged and dropped: events are a notification, the run's timeline is the record.
+Events whose worker died between the commit and the append are not sent.
 """
 
 from __future__ import annotations
@@ -17,11 +29,15 @@ from typing import Any
 
 from celery import current_app
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
+from redis.exceptions import RedisError
 
 from devices import protocol
 from iotqueue.mqtt import publisher
+from iotqueue.redis_conn import redis_connection
+from iotqueue.workstream import WorkStream, consumer_name
 from jobs.models import JobRun, RunEvent
+from jobs.rows import rows_select
 
 from .models import Delivery, Webhook
 
@@ -37,6 +53,12 @@ FAILED_RUN_KINDS = frozenset({"run.failed", "run.timed_out", "run.compensated"})
 # neither MQTT events nor mail would send them out anyway.
 WEBHOOKS_ANY_TTL_SECONDS = 5.0
 _webhooks_any: tuple[float, bool] = (0.0, False)
+# The outbox: each entry is one transaction's lifecycle events, as `event_item`s.
+OUTBOX = WorkStream("events-out", EVENTS_OUT_TASK)
+# The events_out task takes up to this many entries at once, for at most DRAIN_SECONDS;
+# then it hands over to a new task so that other tasks get the worker too.
+DRAIN_BATCH = 100
+DRAIN_SECONDS = 2.0
 
 
 def events_topic(run_id: str) -> str:
@@ -78,18 +100,67 @@ def event_item(event: RunEvent) -> dict[str, Any]:
 
 
 def lifecycle_events_received(sender, events: list[RunEvent], **kwargs) -> None:
-    """jobs.events.lifecycle_events: one events_out task after the commit, if anyone listens.
+    """jobs.events.lifecycle_events: into the outbox after the commit, if anyone listens.
 
-    A failure to enqueue is logged (robust on_commit), never raised into the engine.
+    A failure to append is logged (robust on_commit), never raised into the engine.
     """
     if not events_wanted():
         return
-    items = [event_item(event) for event in events]
-    transaction.on_commit(lambda: _events_out_enqueue(items), robust=True)
+    entry = {"e": json.dumps([event_item(event) for event in events], separators=(",", ":"))}
+    transaction.on_commit(lambda: _outbox_append(entry), robust=True)
 
 
-def _events_out_enqueue(items: list[dict[str, Any]]) -> None:
-    current_app.signature(EVENTS_OUT_TASK, kwargs={"events": items}).delay()
+def _outbox_append(entry: dict[str, str]) -> None:
+    OUTBOX.append(redis_connection(), entry, wake_delay_ms=settings.IOTQUEUE_EVENTS_OUT_GATHER_MS)
+
+
+def events_out_drain() -> int:
+    """The events_out task: send out what waits in the outbox until it is empty; returns
+    the entries taken.
+
+    Entries of consumers that are gone become this one's first, then its own pending
+    entries (a retried task's) are taken, then new ones. A database or Redis error is
+    raised with the entries still pending (the task is retried).
+    """
+    conn = redis_connection()
+    OUTBOX.reclaim(conn, count=DRAIN_BATCH, consumer=consumer_name())
+    own_pending = True
+    taken = 0
+    stop = time.monotonic() + DRAIN_SECONDS
+    while time.monotonic() < stop:
+        entries = OUTBOX.read(conn, count=DRAIN_BATCH, own_pending=own_pending)
+        if not entries and own_pending:
+            own_pending = False
+            continue
+        if not entries:
+            # Clears the wake flag: an entry appended after this read wakes a new task.
+            entries = OUTBOX.read(conn, count=DRAIN_BATCH, own_pending=False, last=True)
+            if not entries:
+                return taken
+        _entries_out(entries)
+        with conn.pipeline(transaction=False) as pipe:
+            OUTBOX.done([entry_id for entry_id, _ in entries], pipe)
+            pipe.execute()
+        taken += len(entries)
+    current_app.signature(EVENTS_OUT_TASK).delay()  # its wake flag stays set: the only one
+    return taken
+
+
+def _entries_out(entries: list[tuple[str, dict]]) -> None:
+    events = []
+    for entry_id, fields in entries:
+        try:
+            events.extend(json.loads(fields["e"]))
+        except (KeyError, TypeError, ValueError):
+            log.error("run events: outbox entry %s is malformed; dropped: %r", entry_id, fields)
+    if not events:
+        return
+    try:
+        events_out(events=events)
+    except (DatabaseError, RedisError):
+        raise  # the task is retried; the entries stay pending
+    except Exception:
+        log.exception("run events: %d events failed to go out; dropped", len(events))
 
 
 def event_payload(item: dict[str, Any], run: JobRun | None) -> dict[str, Any]:
@@ -114,9 +185,12 @@ def event_payload(item: dict[str, Any], run: JobRun | None) -> dict[str, Any]:
 
 
 def events_out(*, events: list[dict[str, Any]]) -> None:
-    """Publish, deliver and mail a group of lifecycle events (the events_out task)."""
+    """Publish, deliver and mail a group of lifecycle events (the events_out task).
+
+    Runs and webhooks are read as the engine reads its rows (jobs.rows.rows_select): a
+    drain of a few events costs a fraction of the ORM's query compilation."""
     run_ids = {item["run"] for item in events if item["run"]}
-    runs = {str(run.pk): run for run in JobRun.objects.select_related("template").filter(pk__in=run_ids)}
+    runs = {str(run.pk): run for run in rows_select(JobRun, "id", run_ids, related=("template",))}
     payloads = [(event_payload(item, runs.get(item["run"])), runs.get(item["run"])) for item in events]
     if settings.IOTQUEUE_RUN_EVENTS_MQTT:
         mqtt_events_publish([payload for payload, _ in payloads])
@@ -150,7 +224,7 @@ def mqtt_events_publish(payloads: list[dict[str, Any]]) -> None:
 
 def deliveries_create(payloads: list[tuple[dict[str, Any], JobRun | None]]) -> list[Delivery]:
     """A Delivery per (event, enabled webhook that wants it); their tasks go after commit."""
-    webhooks = list(Webhook.objects.filter(enabled=True))
+    webhooks = rows_select(Webhook, "enabled", [True])
     deliveries = [
         Delivery(webhook=webhook, kind=payload["kind"], run_id=payload["run"], payload=payload)
         for payload, run in payloads

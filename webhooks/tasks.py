@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from celery import current_app, shared_task
+from django.db import DatabaseError
+from redis.exceptions import RedisError
 
 from . import delivery, mail, outbox
 
@@ -13,9 +15,19 @@ MAIL_RETRIES = 3
 MAIL_RETRY_SECONDS = 30
 
 
-@shared_task(name=outbox.EVENTS_OUT_TASK)
-def events_out_task(events: list[dict[str, Any]]) -> None:
-    outbox.events_out(events=events)
+@shared_task(
+    name=outbox.EVENTS_OUT_TASK,
+    autoretry_for=(DatabaseError, RedisError),
+    default_retry_delay=1.0,
+    max_retries=10,
+)
+def events_out_task(events: list[dict[str, Any]] | None = None) -> int:
+    """Send out the run events waiting in the outbox; or `events`, as a message queued
+    before the outbox existed carries them."""
+    if events:
+        outbox.events_out(events=events)
+        return len(events)
+    return outbox.events_out_drain()
 
 
 @shared_task(name=outbox.DELIVER_TASK)

@@ -14,6 +14,7 @@ from django.db import OperationalError, connection
 
 from devices.locks import device_lock_state
 from devices.protocol import Reply
+from iotqueue import workstream
 from iotqueue.redis_conn import redis_connection
 from jobs import inbox
 from jobs.cancel import run_cancel
@@ -281,21 +282,21 @@ def test_a_batch_taken_by_a_worker_that_died_is_reclaimed_and_applied(stack, man
     # (read under its consumer name, never acknowledged)
     device, hand, run, first = two_steps_on_one_device(manual_device)
     conn = redis_connection()
-    inbox._group_ensure(conn)
+    inbox.INBOX.group_ensure(conn)
     reply = done(first["id"]).as_task_payload()
     with conn.pipeline(transaction=True) as pipe:  # atomic: no live worker can take it first
-        pipe.xadd(inbox._stream(), {"r": json.dumps([[device.name, reply]])})
-        pipe.xreadgroup(inbox.GROUP, "worker-that-died", {inbox._stream(): ">"}, count=10)
+        pipe.xadd(inbox.INBOX.key(), {"r": json.dumps([[device.name, reply]])})
+        pipe.xreadgroup(inbox.GROUP, "worker-that-died", {inbox.INBOX.key(): ">"}, count=10)
         _, taken = pipe.execute()
     assert taken and taken[0][1], "the dead worker's read took the entry"
 
     # then the monitor takes the entry over once it has been pending long enough, and
     # the run moves on exactly once
-    second = hand.next_command(timeout=inbox.RECLAIM_IDLE_SECONDS + 15)
+    second = hand.next_command(timeout=workstream.RECLAIM_IDLE_SECONDS + 15)
     assert second["step"] == 1
     step0 = StepRun.objects.get(run=run, index=0)
     assert step0.status == StepStatus.SUCCEEDED
     assert kinds(run).count("step.succeeded") == 1
     wait_for(
-        lambda: conn.xpending(inbox._stream(), inbox.GROUP)["pending"] == 0, what="the entry acknowledged"
+        lambda: conn.xpending(inbox.INBOX.key(), inbox.GROUP)["pending"] == 0, what="the entry acknowledged"
     )

@@ -4,7 +4,6 @@ delivery attempt against a local receiver, the failed-run mail and the device AC
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import pytest
 from django.core import mail
@@ -13,19 +12,11 @@ from devices.credentials import device_acls
 from iotqueue.topics import filters_overlap
 from jobs.models import JobRun
 from tests.factories import DeviceFactory, template_with_steps
-from tests.webhooks.receiver import Receiver
 from webhooks import delivery, outbox, signing
 from webhooks.mail import failed_run_mail_send
 from webhooks.models import Delivery, DeliveryState, Webhook
 
 SECRET = "a-test-secret-of-some-length"
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    started = Receiver().start()
-    yield started
-    started.stop()
 
 
 def test_a_signature_verifies_only_for_the_same_secret_body_and_a_fresh_timestamp():

@@ -9,7 +9,6 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from django.conf import settings
@@ -20,19 +19,11 @@ from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
-from tests.webhooks.receiver import Receiver
 from webhooks.models import Delivery, DeliveryState, Webhook
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(90)]
 
 SECRET = "a-test-secret-of-some-length"
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    started = Receiver().start()
-    yield started
-    started.stop()
 
 
 def verified(secret: str, headers: dict[str, str], body: bytes) -> dict:
