@@ -8,9 +8,10 @@ in one round trip. The first entry that finds no drain outstanding sends the
 `webhooks.events_out` task, IOTQUEUE_EVENTS_OUT_GATHER_MS later, and that task takes every
 entry gathered by then at once: it reads their runs in one query, publishes the MQTT
 events, creates a Delivery per matching webhook and enqueues their `webhooks.deliver`
-tasks, and the failed-run mail; then takes again until the outbox is empty. So under load
-the engine pays one Redis call per transition for its events, not a Celery message, and
-the events go out in groups.
+tasks, and the failed-run mail; then takes again until the outbox is empty, and looks
+again after the same delay, until a look finds nothing. So while events flow the engine
+pays one Redis call per transition for its events and sends no Celery message, and the
+events go out in groups, one drain per gathering time at most.
 
 How it fails: an entry is acknowledged only after its events went out. A task that fails
 on the database or Redis is retried and takes its own entries again first; entries left
@@ -115,12 +116,15 @@ def _outbox_append(entry: dict[str, str]) -> None:
 
 
 def events_out_drain() -> int:
-    """The events_out task: send out what waits in the outbox until it is empty; returns
-    the entries taken.
+    """The events_out task: send out what waits in the outbox; returns the entries taken.
 
     Entries of consumers that are gone become this one's first, then its own pending
-    entries (a retried task's) are taken, then new ones. A database or Redis error is
-    raised with the entries still pending (the task is retried).
+    entries (a retried task's) are taken, then new ones until the outbox is empty. A drain
+    that sent something looks again IOTQUEUE_EVENTS_OUT_GATHER_MS later (a task it sends
+    itself, the wake flag still set): while events keep coming, they send no task of their
+    own and go out together. A look that finds nothing clears the flag, so that the next
+    event wakes a new drain. A database or Redis error is raised with the entries still
+    pending (the task is retried).
     """
     conn = redis_connection()
     OUTBOX.reclaim(conn, count=DRAIN_BATCH, consumer=consumer_name())
@@ -132,17 +136,23 @@ def events_out_drain() -> int:
         if not entries and own_pending:
             own_pending = False
             continue
-        if not entries:
-            # Clears the wake flag: an entry appended after this read wakes a new task.
+        if not entries and not taken:
+            # Nothing came since the last look: clear the wake flag with this read (an
+            # entry appended after it wakes a new task; one appended before is read here).
             entries = OUTBOX.read(conn, count=DRAIN_BATCH, own_pending=False, last=True)
             if not entries:
-                return taken
+                return 0
+        if not entries:
+            break
         _entries_out(entries)
         with conn.pipeline(transaction=False) as pipe:
             OUTBOX.done([entry_id for entry_id, _ in entries], pipe)
             pipe.execute()
         taken += len(entries)
-    current_app.signature(EVENTS_OUT_TASK).delay()  # its wake flag stays set: the only one
+    # Events came (or the time slice is over): look again after the gathering time. The wake
+    # flag stays set, so this task is the only drain sent.
+    countdown = settings.IOTQUEUE_EVENTS_OUT_GATHER_MS / 1000
+    current_app.signature(EVENTS_OUT_TASK).apply_async(countdown=countdown)
     return taken
 
 

@@ -141,3 +141,16 @@ def test_a_malformed_entry_is_logged_and_dropped_and_the_others_go_out(runs, cap
 def test_a_message_with_its_events_queued_by_an_earlier_version_still_goes_out(runs):
     assert events_out_task(events=[item(runs[0])]) == 1
     assert delivered_runs() == [str(runs[0].pk)]
+
+
+def test_a_drain_that_sent_events_looks_again_and_takes_what_came_meanwhile(runs):
+    appended_unwoken(entry(item(runs[0])))
+    assert outbox.events_out_drain() == 1
+    # then the wake flag stays set: the next transition's events send no task of their own
+    assert redis_connection().exists(outbox.OUTBOX.wake_key())
+    lifecycle_events.send(sender=RunEvent, events=[RunEvent(run=runs[1], kind="run.started", data={})])
+    # and the drain's next look, in the worker, takes them; a look that finds nothing more
+    # clears the flag
+    wait_for(lambda: delivered_runs() == sorted(str(run.pk) for run in runs[:2]), what="both delivered")
+    wait_for(lambda: not redis_connection().exists(outbox.OUTBOX.wake_key()), what="the flag cleared")
+    assert outbox_settled()
