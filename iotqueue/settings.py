@@ -392,8 +392,9 @@ IOTQUEUE_MAX_PAYLOAD_BYTES = env.int("IOTQUEUE_MAX_PAYLOAD_BYTES", default=64 * 
 # Run lifecycle events on P/events/runs/<run id> (QoS 1) for consumers without HTTP.
 IOTQUEUE_RUN_EVENTS_MQTT = env.bool("IOTQUEUE_RUN_EVENTS_MQTT", default=True)
 # Lifecycle events wait in a Redis stream until the webhooks.events_out task sends them
-# out; the task starts this long after the event that woke it, and takes every event
-# gathered meanwhile at once (one query for their runs, one for the webhooks).
+# out; the task starts this long after the event that woke it (and after its last look
+# that sent something), and takes every event gathered meanwhile at once (one query for
+# their runs, one for the webhooks).
 IOTQUEUE_EVENTS_OUT_GATHER_MS = env.float("IOTQUEUE_EVENTS_OUT_GATHER_MS", default=50.0)
 # Mail the ADMINS (mail_admins, Django's EMAIL_* settings) when a run fails, times out or is
 # rolled back.
