@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model
 
@@ -27,7 +27,8 @@ def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tu
     its `match` field still has the value the row holds): the statement and its parameter
     rows, one compare-and-set per row at the cost of a plain UPDATE, where the ORM's
     bulk_update would build a CASE per field and row."""
-    meta, quote = model._meta, connection.ops.quote_name
+    db = _db()
+    meta, quote = model._meta, db.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     sets = ", ".join(f"{quote(c.column)} = %s" for c in columns)
     where = f"{quote(meta.pk.column)} = %s AND {quote('status')} IN ({', '.join(['%s'] * len(status_in))})"
@@ -35,9 +36,9 @@ def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tu
     if guard:
         where += f" AND {quote(guard[0].column)} = %s"
     params = [
-        [c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns]
-        + [meta.pk.get_db_prep_value(row.pk, connection), *status_in]
-        + [c.get_db_prep_value(getattr(row, c.attname), connection) for c in guard]
+        [c.get_db_prep_save(getattr(row, c.attname), db) for c in columns]
+        + [meta.pk.get_db_prep_value(row.pk, db), *status_in]
+        + [c.get_db_prep_value(getattr(row, c.attname), db) for c in guard]
         for row in rows
     ]
     return f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {where}", params
@@ -47,11 +48,12 @@ def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tup
     """INSERT the rows' `fields` (attribute names; a foreign key by its field name): the
     statement and its parameter rows. Primary keys are not read back: for rows nothing
     refers to afterwards."""
-    meta, quote = model._meta, connection.ops.quote_name
+    db = _db()
+    meta, quote = model._meta, db.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
     names = ", ".join(quote(c.column) for c in columns)
     marks = ", ".join(["%s"] * len(columns))
-    params = [[c.get_db_prep_save(getattr(row, c.attname), connection) for c in columns] for row in rows]
+    params = [[c.get_db_prep_save(getattr(row, c.attname), db) for c in columns] for row in rows]
     return f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params
 
 
@@ -62,17 +64,16 @@ def rows_create(model: type[Model], rows: list[Model]) -> None:
     unique constraint's violation raises IntegrityError."""
     if not rows:
         return
-    meta, quote = model._meta, connection.ops.quote_name
+    db = _db()
+    meta, quote = model._meta, db.ops.quote_name
     columns = [f for f in meta.concrete_fields if f is not meta.pk]
     names = ", ".join(quote(c.column) for c in columns)
     marks = f"({', '.join(['%s'] * len(columns))})"
-    size = max(1, connection.ops.bulk_batch_size(columns, rows))
-    with connection.cursor() as cursor:
+    size = max(1, db.ops.bulk_batch_size(columns, rows))
+    with db.cursor() as cursor:
         for start in range(0, len(rows), size):
             chunk = rows[start : start + size]
-            params = [
-                c.get_db_prep_save(getattr(row, c.attname), connection) for row in chunk for c in columns
-            ]
+            params = [c.get_db_prep_save(getattr(row, c.attname), db) for row in chunk for c in columns]
             cursor.execute(
                 f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES {', '.join([marks] * len(chunk))}"
                 f" RETURNING {quote(meta.pk.column)}",
@@ -81,7 +82,7 @@ def rows_create(model: type[Model], rows: list[Model]) -> None:
             # In the order of VALUES, on both databases (bulk_create relies on it too).
             for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
                 row.pk = pk
-                row._state.adding, row._state.db = False, connection.alias
+                row._state.adding, row._state.db = False, db.alias
 
 
 class Writes:
@@ -126,43 +127,53 @@ class Writes:
     def send(self, select: tuple | None = None) -> list[Model]:
         """Execute what waits; `select` = (model, column, values, related) is read after it."""
         queued, self._queued = self._queued, []
+        db = _db()
         reading = None
         if select is not None and list(select[2]):
             model, column, values, related = select
-            reading = _select_for(connections[DEFAULT_DB_ALIAS], model, related), column, list(values)
+            reading = _select_for(db, model, related), column, list(values)
         if not queued and reading is None:
             return []
-        with connection.cursor() as cursor:
-            if _one_text(cursor):
-                counts, fetched = _send_one_text(cursor, queued, reading)
+        with db.cursor() as cursor:
+            if _one_text(db, cursor):
+                counts, fetched = _send_one_text(db, cursor, queued, reading)
             else:
                 counts = [_execute_on(cursor, sql, params) for sql, params, _ in queued]
                 fetched = None
                 if reading is not None:
-                    sql, params = reading[0].statement(connection, reading[1], reading[2])
+                    sql, params = reading[0].statement(db, reading[1], reading[2])
                     cursor.execute(sql, params)
                     fetched = cursor.fetchall()
         for (_, params, conflict), count in zip(queued, counts, strict=True):
             if conflict is not None and count != len(params):
                 raise conflict
-        return [] if reading is None else reading[0].build(connection, fetched)
+        return [] if reading is None else reading[0].build(db, fetched)
 
 
-def _one_text(cursor: Any) -> bool:
+def _db() -> BaseDatabaseWrapper:
+    """The default database's connection object itself: `django.db.connection` is a proxy
+    that looks the connection up again on every attribute read (and field preparation reads
+    `ops` or `features` for every value)."""
+    return connections[DEFAULT_DB_ALIAS]
+
+
+def _one_text(db: BaseDatabaseWrapper, cursor: Any) -> bool:
     """Whether this cursor runs several statements in one text and returns each one's result
     (psycopg 3's client-side binding cursor)."""
-    if connection.vendor != "postgresql":
+    if db.vendor != "postgresql":
         return False
-    client_cursor = getattr(connection.Database, "ClientCursor", None)
+    client_cursor = getattr(db.Database, "ClientCursor", None)
     return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
 
 
-def _send_one_text(cursor: Any, queued: list, reading: tuple | None) -> tuple[list[int], list | None]:
+def _send_one_text(
+    db: BaseDatabaseWrapper, cursor: Any, queued: list, reading: tuple | None
+) -> tuple[list[int], list | None]:
     """PostgreSQL: every queued statement (one per parameter row) and the select in one text;
     returns the row count per queued write and the select's rows."""
     texts = [cursor.mogrify(sql, row) for sql, params, _ in queued for row in params]
     if reading is not None:
-        texts.append(cursor.mogrify(*reading[0].statement(connection, reading[1], reading[2])))
+        texts.append(cursor.mogrify(*reading[0].statement(db, reading[1], reading[2])))
     # The head says what the text carries (for pg_stat_activity, the server's log and
     # bench.sql_count): each queued statement, and how many rows they were sent for.
     head = f"/* grouped: {len(queued) + (reading is not None)} statements, {len(texts)} rows */\n"
@@ -269,8 +280,8 @@ def rows_select(model: type[Model], column: str, values, *, related: tuple[str, 
     values = list(values)
     if not values:
         return []
-    conn = connections[DEFAULT_DB_ALIAS]
-    return _select_for(conn, model, related).rows(conn, column, values)
+    db = _db()
+    return _select_for(db, model, related).rows(db, column, values)
 
 
 def _select_for(conn: BaseDatabaseWrapper, model: type[Model], related: tuple[str, ...]) -> _Select:
