@@ -15,10 +15,10 @@ events go out in groups, one drain per gathering time at most.
 
 How it fails: an entry is acknowledged only after its events went out. A task that fails
 on the database or Redis is retried and takes its own entries again first; entries left
-by a worker that died are taken over by the next drain once they are
-workstream.RECLAIM_IDLE_SECONDS old. An entry that fails otherwise (a bug, a malformed
-entry) is logged and dropped: events are a notification, the run's timeline is the record.
-Events whose worker died between the commit and the append are not sent.
+by a worker that died are taken over by the next drain (the next event wakes one) once
+they are workstream.RECLAIM_IDLE_SECONDS old. An entry that fails otherwise (a bug, a
+malformed entry) is logged and dropped: events are a notification, the run's timeline is
+the record. Events whose worker died between the commit and the append are not sent.
 """
 
 from __future__ import annotations
