@@ -18,7 +18,8 @@ on the database or Redis is retried and takes its own entries again first; entri
 by a worker that died are taken over by the next drain (the next event wakes one) once
 they are workstream.RECLAIM_IDLE_SECONDS old. An entry that fails otherwise (a bug, a
 malformed entry) is logged and dropped: events are a notification, the run's timeline is
-the record. Events whose worker died between the commit and the append are not sent.
+the record. Events whose worker died between the commit and the append are not sent, nor
+those waiting in the outbox when Redis loses its data (as Celery's queue would be lost).
 """
 
 from __future__ import annotations
