@@ -109,7 +109,7 @@ class WorkStream:
                     raise
                 self.group_ensure(conn)  # first use, or Redis lost its data: read again
                 continue
-            return answer[0][1] if answer else []
+            return self.entries_of(answer)
         return []
 
     def read_queue(self, pipe: Any, *, count: int, helper: bool = False) -> None:

@@ -32,7 +32,7 @@ SECRET = "a-test-secret-of-some-length"
 def runs(stack, receiver) -> list[JobRun]:
     """Five runs, and a webhook that wants their starts (delivered to `receiver`); the
     outbox is empty (no entry left by an earlier test)."""
-    wait_for(lambda: not redis_connection().exists(outbox.OUTBOX.wake_key()), what="no drain outstanding")
+    no_drain_outstanding()
     redis_connection().delete(outbox.OUTBOX.key())
     template = template_with_steps()
     Webhook.objects.create(name="ops", url=receiver.url, secret=SECRET, events=["run.started"])
@@ -40,12 +40,17 @@ def runs(stack, receiver) -> list[JobRun]:
 
 
 def item(run: JobRun) -> dict:
-    return {"kind": "run.started", "run": str(run.pk), "time": "t", "message": "", "step": None, "device": ""}
+    """What the receiver appends for a run's run.started event."""
+    return outbox.event_item(RunEvent(run=run, kind="run.started", data={}))
+
+
+def no_drain_outstanding() -> None:
+    wait_for(lambda: not redis_connection().exists(outbox.OUTBOX.wake_key()), what="no drain outstanding")
 
 
 def appended_unwoken(*entries: dict) -> list[str]:
     """Append outbox entries without waking a drain (the worker leaves them alone)."""
-    wait_for(lambda: not redis_connection().exists(outbox.OUTBOX.wake_key()), what="no drain outstanding")
+    no_drain_outstanding()
     return [redis_connection().xadd(outbox.OUTBOX.key(), entry) for entry in entries]
 
 
