@@ -24,9 +24,11 @@ from .stack import SQL_COUNTED_CHILDREN, BenchStack, stack_open, stop_signals_in
 WARMUP_RUNS = 10
 # Size of the shared device pool: small, so runs that go there queue behind each other.
 SHARED_DEVICES = 5
-# The baseline is short (a second or two), so one burst from another program on the
-# machine moves it a lot: it is measured this many times and the median is kept.
+# The baseline and the saturated phase are short (a few seconds), so one burst from another
+# program on the machine moves them a lot: each is measured this many times and the median
+# round is kept (the ratio is the median engine round over the median baseline round).
 BASELINE_REPEATS = 3
+SATURATED_REPEATS = BASELINE_REPEATS
 # Chains sent one after the other for raw Celery's hop latency (`steps` - 1 hops each).
 HOP_CHAINS = 30
 # The paced phase offers this fraction of the throughput the saturated phase measured:
@@ -142,9 +144,14 @@ def _baseline_phase(stack: BenchStack, args: argparse.Namespace) -> dict[str, An
         say(f"  hop, one chain at a time: p50 {hop_ms['p50']} ms, p99 {hop_ms['p99']} ms ({len(hops)} hops)")
     finally:
         stack.supervisor.stop("baseline-worker")
-    median = sorted(rounds, key=lambda r: r["links_per_s"])[len(rounds) // 2]
+    median = _median_round(rounds, "links_per_s")
     rounds_per_s = [r["links_per_s"] for r in rounds]
     return {**median, "rounds_links_per_s": rounds_per_s, "hop_ms": hop_ms, "hops": len(hops)}
+
+
+def _median_round(rounds: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The round whose `key` is the median (the upper one of an even count)."""
+    return sorted(rounds, key=lambda r: r[key])[len(rounds) // 2]
 
 
 def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack) -> dict[str, Any]:
@@ -161,7 +168,7 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
         )
 
     warmup = templates("warmup", WARMUP_RUNS, args.shared)
-    saturated = templates("saturated", args.runs, args.shared)
+    saturated = [templates(f"saturated{i + 1}", args.runs, args.shared) for i in range(SATURATED_REPEATS)]
     paced = templates("paced", args.paced_runs, 0.0)
     trickle = templates("trickle", args.trickle_runs, 0.0)
     say(f"engine: {args.devices} devices ({SHARED_DEVICES} shared), worker prefork x2, bridge, beat")
@@ -192,11 +199,22 @@ def _engine_phases(stack: BenchStack, args: argparse.Namespace, exits: ExitStack
         return measured
 
     workload.phase_run(warmup, tag="warmup", timeout=args.seconds_timeout, say=say)
-    say(
-        f"saturated: {args.runs} runs x {args.steps} steps started at once, "
-        f"{args.shared:.0%} of steps on shared devices"
-    )
-    phases = {"saturated": phase("saturated", saturated)}
+    rounds = []
+    for i, runs in enumerate(saturated, start=1):
+        say(
+            f"saturated, round {i} of {len(saturated)}: {args.runs} runs x {args.steps} steps started "
+            f"at once, {args.shared:.0%} of steps on shared devices"
+        )
+        rounds.append(phase(f"saturated{i}", runs))
+    phases = {
+        "saturated": {
+            **_median_round(rounds, "steps_per_s"),
+            "rounds_steps_per_s": [r["steps_per_s"] for r in rounds],
+            # Every round's failures count, not only the median round's.
+            "failed_runs": sum(r["failed_runs"] for r in rounds),
+            "failed_errors": [e for r in rounds for e in r["failed_errors"]][: workload.ERRORS_QUOTED],
+        }
+    }
     if paced and phases["saturated"]["steps_per_s"] > 0:
         rate = PACED_LOAD * phases["saturated"]["steps_per_s"] / args.steps
         say(f"paced: {len(paced)} runs at {rate:.1f} runs/s ({PACED_LOAD:.0%} of that), no shared devices")
