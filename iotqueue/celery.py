@@ -3,9 +3,10 @@
 import os
 
 from celery import Celery
-from celery.signals import task_prerun, worker_process_init, worker_process_shutdown
+from celery.signals import task_prerun, worker_process_init, worker_process_shutdown, worker_ready
 
 from . import kombu_fix
+from .gcfreeze import startup_objects_freeze
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
 
@@ -22,6 +23,19 @@ def _publisher_connect(**kwargs) -> None:
     from .mqtt import publisher
 
     publisher.connect()
+
+
+@worker_process_init.connect
+def _pool_process_freeze(**kwargs) -> None:
+    """A pool process's start-up objects out of its full collections (iotqueue/gcfreeze.py);
+    connected after `_publisher_connect`, so its MQTT client is frozen too."""
+    startup_objects_freeze("worker process")
+
+
+@worker_ready.connect
+def _main_process_freeze(**kwargs) -> None:
+    """The same for the worker's main process (it receives and hands out the tasks)."""
+    startup_objects_freeze("worker")
 
 
 @worker_process_shutdown.connect

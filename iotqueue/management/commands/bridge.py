@@ -6,6 +6,7 @@ import signal
 from django.core.management.base import BaseCommand
 
 from iotqueue.bridge import Bridge
+from iotqueue.gcfreeze import startup_objects_freeze
 
 log = logging.getLogger(__name__)
 
@@ -22,5 +23,6 @@ class Command(BaseCommand):
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: bridge.stop())
         log.info("bridge: starting")
+        startup_objects_freeze("bridge")
         bridge.run()
         log.info("bridge: stopped (%s)", dict(bridge.stats))
