@@ -1,12 +1,12 @@
 """Full garbage collections of the long-running processes, kept off the step path.
 
 CPython's full collection (its oldest generation) walks every object the collector
-tracks. A worker pool process or the bridge holds a few hundred thousand from its imports
-and set-up (Django, Celery, kombu, the models and their caches), nearly all of which live
-as long as the process. In the benchmark one such collection took 45 to 87 ms in each of the
-draining worker process, the bridge and the simulated devices, a few times a minute, and
-every reply and command in flight waited for it: that was the paced hand-off's p99
-(bench/README.md, eighth pass).
+tracks. A worker pool process holds about 140,000 from its imports and set-up (Django,
+Celery, kombu, the models and their caches), the bridge about 90,000, nearly all of which
+live as long as the process. In the benchmark one such collection took 45 to 87 ms in each
+of the draining worker process, the bridge and the simulated devices, a few times a minute,
+and every reply and command in flight waited for it: it made most of the paced hand-off's
+p99 on SQLite (bench/README.md, eighth pass).
 
 `startup_objects_freeze` collects once, then moves everything tracked into the
 collector's permanent generation (`gc.freeze`), so later collections walk only what the
