@@ -18,17 +18,13 @@ app.autodiscover_tasks()
 
 
 @worker_process_init.connect
-def _publisher_connect(**kwargs) -> None:
-    """Connect each pool process's MQTT publisher at start, not on its first command."""
+def _pool_process_init(**kwargs) -> None:
+    """Connect each pool process's MQTT publisher at start, not on its first command; then
+    take its start-up objects, the publisher's client included, out of its full garbage
+    collections (iotqueue/gcfreeze.py)."""
     from .mqtt import publisher
 
     publisher.connect()
-
-
-@worker_process_init.connect
-def _pool_process_freeze(**kwargs) -> None:
-    """A pool process's start-up objects out of its full collections (iotqueue/gcfreeze.py);
-    connected after `_publisher_connect`, so its MQTT client is frozen too."""
     startup_objects_freeze("worker process")
 
 
