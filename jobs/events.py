@@ -21,7 +21,7 @@ from iotqueue.metrics import MetricsBatch
 
 from .metrics import LOCK_WAIT, RUNS, RUNS_STARTED, STEP_DURATION, STEP_RETRIES, STEPS
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
-from .rows import Writes
+from .rows import Writes, rows_create
 
 log = logging.getLogger("jobs.timeline")
 
@@ -100,7 +100,7 @@ def event_record(kind: str, **fields: Any) -> RunEvent:
     """Append an event (fields as `event_new`), log it with the run, step, device and
     command id, count it."""
     event = event_new(kind, **fields)
-    event.save(force_insert=True)
+    rows_create(RunEvent, [event])
     _event_log(event)
     if kind in RUN_END_KINDS:
         run_ended.send(sender=RunEvent, event=event)

@@ -8,7 +8,7 @@ UUIDs and datetimes are stored exactly as the ORM stores them.
 
 The writes of one transition are queued in a `Writes` and sent together, so that on
 PostgreSQL they cost one round trip; new rows whose ids are needed go through
-`rows_create`. Reads on that path (`rows_select`) likewise skip the ORM's per-query
+`rows_create`. Reads on that path (`rows_select`, `row_last`) likewise skip the ORM's per-query
 compilation and build the same model instances from one prepared column list.
 """
 
@@ -58,30 +58,34 @@ def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tup
 
 
 def rows_create(model: type[Model], rows: list[Model]) -> None:
-    """INSERT new rows (every concrete field but the automatic primary key) and read their
-    primary keys back, as bulk_create does, in as few statements as the database's
-    parameter limit allows, without preparing each object through the model layer. A
-    unique constraint's violation raises IntegrityError."""
+    """INSERT new rows as save(force_insert=True) does, without preparing each through the
+    model layer: every concrete field, after its pre_save (auto_now_add is set); a primary
+    key the database makes is read back, as bulk_create does; a primary key with a default
+    (a UUID) is sent. In as few statements as the database's parameter limit allows. A
+    unique constraint's violation raises IntegrityError. No signal is sent."""
     if not rows:
         return
     db = _db()
     meta, quote = model._meta, db.ops.quote_name
-    columns = [f for f in meta.concrete_fields if f is not meta.pk]
+    made = meta.pk.db_returning  # an AutoField: the database numbers the row
+    columns = [f for f in meta.concrete_fields if not (made and f is meta.pk)]
     names = ", ".join(quote(c.column) for c in columns)
     marks = f"({', '.join(['%s'] * len(columns))})"
+    returning = f" RETURNING {quote(meta.pk.column)}" if made else ""
     size = max(1, db.ops.bulk_batch_size(columns, rows))
     with db.cursor() as cursor:
         for start in range(0, len(rows), size):
             chunk = rows[start : start + size]
-            params = [c.get_db_prep_save(getattr(row, c.attname), db) for row in chunk for c in columns]
+            params = [c.get_db_prep_save(c.pre_save(row, True), db) for row in chunk for c in columns]
             cursor.execute(
                 f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES {', '.join([marks] * len(chunk))}"
-                f" RETURNING {quote(meta.pk.column)}",
+                f"{returning}",
                 params,
             )
-            # In the order of VALUES, on both databases (bulk_create relies on it too).
-            for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
-                row.pk = pk
+            if made:  # in the order of VALUES, on both databases (bulk_create relies on it too)
+                for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
+                    row.pk = pk
+            for row in chunk:
                 row._state.adding, row._state.db = False, db.alias
 
 
@@ -282,6 +286,19 @@ def rows_select(model: type[Model], column: str, values, *, related: tuple[str, 
         return []
     db = _db()
     return _select_for(db, model, related).rows(db, column, values)
+
+
+def row_last(model: type[Model], column: str, value: Any, *, by: str) -> Model | None:
+    """The row whose `column` is `value` with the highest `by` (a template's latest version),
+    read as `rows_select` reads rows; None when there is none."""
+    db = _db()
+    select = _select_for(db, model, ())
+    sql, params = select.statement(db, column, [value])
+    order = db.ops.quote_name(model._meta.get_field(by).column)
+    with db.cursor() as cursor:
+        cursor.execute(f"{sql} ORDER BY t0.{order} DESC LIMIT 1", params)
+        found = select.build(db, cursor.fetchall())
+    return found[0] if found else None
 
 
 def _select_for(conn: BaseDatabaseWrapper, model: type[Model], related: tuple[str, ...]) -> _Select:

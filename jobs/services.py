@@ -16,7 +16,8 @@ from devices.selectors import selector_parse
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
-from .models import JobRun, JobTemplate, TemplateVersion, Trigger
+from .models import JobRun, JobStep, JobTemplate, TemplateVersion, Trigger
+from .rows import row_last, rows_create, rows_select
 from .versions import version_snapshot
 
 # The task that (re)starts a run at its cursor, by name (jobs/tasks.py sits above this
@@ -65,9 +66,14 @@ PLAN_FIELDS = (
 
 
 def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
-    """Snapshot of the template's steps, so editing a template never changes a started run."""
+    """Snapshot of the template's steps, so editing a template never changes a started run.
+
+    Every run start reads it (`template_version_record`), so the steps are read without the
+    ORM's per-query compilation (jobs/rows.py), which cost several times the query itself.
+    """
+    steps = rows_select(JobStep, "template", [template.pk], related=("device", "group"))
     plan = []
-    for step in template.steps.select_related("device", "group").order_by("position"):
+    for step in sorted(steps, key=lambda step: step.position):
         spec = {name: getattr(step, name) for name in PLAN_FIELDS}
         spec["device"] = step.device.name if step.device_id else ""
         spec["group"] = step.group.name if step.group_id else ""
@@ -93,7 +99,7 @@ def template_version_record(*, template: JobTemplate, author: Any = None) -> Tem
     at once are serialized on the template's row, so numbers stay 1..n without gaps.
     """
     snapshot = template_snapshot(template)
-    latest = template.versions.order_by("-number").first()
+    latest = row_last(TemplateVersion, "template", template.pk, by="number")
     if latest is not None and version_snapshot(latest) == snapshot:
         return latest  # the common case (every run start) takes no lock
     with transaction.atomic():
@@ -165,7 +171,7 @@ def run_start(
             default_priority = (
                 template_version.default_priority if template_version else template.default_priority
             )
-            run = JobRun.objects.create(
+            run = JobRun(
                 template=template,
                 template_version=template_version,
                 parameters=parameters,
@@ -176,6 +182,7 @@ def run_start(
                 idempotency_key=idempotency_key or None,
                 max_duration=template_version.max_duration if template_version else None,
             )
+            rows_create(JobRun, [run])  # the ORM's save compiles its INSERT on every call
             event_record("run.created", run=run, message=f"{trigger} by {triggered_by or 'anonymous'}")
             transaction.on_commit(lambda: _run_enqueue(run))
     except IntegrityError:

@@ -1,4 +1,4 @@
-"""The engine's hot-path reads (jobs/rows.py `rows_select`) build what the ORM builds.
+"""The engine's hot-path reads and writes (jobs/rows.py) build and store what the ORM does.
 
 Against the test database (SQLite, or PostgreSQL in CI's production leg): every field of
 the row and of its attached related rows equals the ORM's select_related reading, and
@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from devices.models import Device
 from jobs.events import EVENT_FIELDS
-from jobs.models import JobRun, RunEvent, StepRun, StepStatus
-from jobs.rows import Writes, rows_create, rows_select
+from jobs.models import JobRun, RunEvent, StepRun, StepStatus, TemplateVersion
+from jobs.rows import Writes, row_last, rows_create, rows_select
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = pytest.mark.django_db
@@ -153,3 +153,32 @@ def test_created_rows_get_their_ids_and_read_back_as_the_orm_wrote_them(rows):
     # the unique (run, phase, index, device) constraint still holds
     with pytest.raises(IntegrityError), transaction.atomic():
         rows_create(StepRun, [StepRun(run=run, index=5, device=device, action="again")])
+
+
+def test_created_rows_with_a_uuid_key_and_auto_now_add_match_the_orms_save(rows):
+    """A run (UUID primary key from its default, created_at from auto_now_add) and an event
+    (numbered by the database) are written as save(force_insert=True) writes them."""
+    run, _, _, _ = rows
+    before = timezone.now()
+    new_run = JobRun(template=run.template, plan=[{"action": "open"}], parameters={"n": 1}, triggered_by="t")
+    chosen = new_run.pk
+    event = RunEvent(run=new_run, kind="run.created", data={"why": "ß"})
+    rows_create(JobRun, [new_run])
+    rows_create(RunEvent, [event])
+    assert new_run.pk == chosen and not new_run._state.adding
+    assert before <= new_run.created_at <= timezone.now()
+    assert fields_of(JobRun.objects.get(pk=chosen)) == fields_of(new_run)
+    assert event.pk and fields_of(RunEvent.objects.get(pk=event.pk)) == fields_of(event)
+
+
+def test_the_last_row_by_a_field_is_the_orms_latest(rows):
+    run, _, _, _ = rows
+    template = run.template
+    assert row_last(TemplateVersion, "template", template.pk, by="number") is None
+    for number in (2, 7, 3):
+        TemplateVersion.objects.create(
+            template=template, number=number, default_priority=5, steps=[{"n": number}]
+        )
+    last = row_last(TemplateVersion, "template", template.pk, by="number")
+    expected = template.versions.order_by("-number").first()
+    assert last.number == 7 and fields_of(last) == fields_of(expected)
