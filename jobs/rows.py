@@ -1,4 +1,5 @@
-"""Set-based writes for the engine's hot path: one statement for many rows.
+"""Set-based writes for the engine's hot path: one statement for many rows (a run start
+reads and writes its rows the same way).
 
 The ORM's bulk_update builds a CASE per field and row and bulk_create prepares each
 object through the model layer; for the few tables a transition writes, a plain
