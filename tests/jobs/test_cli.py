@@ -96,6 +96,10 @@ def test_exit_status_of_a_real_process_follows_the_run(stack, simulator):
     assert "failed" in failed.stderr, failed.stderr
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
 def test_timeout_and_ctrl_c_stop_following_but_not_the_run(stack, simulator):
@@ -122,6 +126,9 @@ def test_timeout_and_ctrl_c_stop_following_but_not_the_run(stack, simulator):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a suite started in the background (`make test &`) inherits
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+        preexec_fn=_sigint_default,
     )
     try:
         assert "dispatched" in follower.stdout.readline() + follower.stdout.readline()
