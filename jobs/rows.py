@@ -60,10 +60,10 @@ def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tup
 
 def rows_create(model: type[Model], rows: list[Model]) -> None:
     """INSERT new rows as save(force_insert=True) does, without preparing each through the
-    model layer: every concrete field, after its pre_save (auto_now_add is set); a primary
-    key the database makes is read back, as bulk_create does; a primary key with a default
-    (a UUID) is sent. In as few statements as the database's parameter limit allows. A
-    unique constraint's violation raises IntegrityError. No signal is sent."""
+    model layer: every concrete field, its auto_now / auto_now_add ones stamped first; a
+    primary key the database makes is read back, as bulk_create does; a primary key with a
+    default (a UUID) is sent. In as few statements as the database's parameter limit
+    allows. A unique constraint's violation raises IntegrityError. No signal is sent."""
     if not rows:
         return
     db = _db()
@@ -73,11 +73,16 @@ def rows_create(model: type[Model], rows: list[Model]) -> None:
     names = ", ".join(quote(c.column) for c in columns)
     marks = f"({', '.join(['%s'] * len(columns))})"
     returning = f" RETURNING {quote(meta.pk.column)}" if made else ""
+    # Only these need pre_save (the engine's step rows have none: no call per field and row).
+    stamped = [c for c in columns if getattr(c, "auto_now", False) or getattr(c, "auto_now_add", False)]
     size = max(1, db.ops.bulk_batch_size(columns, rows))
     with db.cursor() as cursor:
         for start in range(0, len(rows), size):
             chunk = rows[start : start + size]
-            params = [c.get_db_prep_save(c.pre_save(row, True), db) for row in chunk for c in columns]
+            for row in chunk:
+                for c in stamped:
+                    c.pre_save(row, True)
+            params = [c.get_db_prep_save(getattr(row, c.attname), db) for row in chunk for c in columns]
             cursor.execute(
                 f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES {', '.join([marks] * len(chunk))}"
                 f"{returning}",
