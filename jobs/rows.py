@@ -48,7 +48,7 @@ def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tu
 def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tuple:
     """INSERT the rows' `fields` (attribute names; a foreign key by its field name): the
     statement and its parameter rows. Primary keys are not read back: for rows nothing
-    refers to afterwards."""
+    refers to afterwards, or rows that carry theirs."""
     db = _db()
     meta, quote = model._meta, db.ops.quote_name
     columns = [meta.get_field(name) for name in fields]
@@ -101,7 +101,9 @@ class Writes:
     `update` and `insert` queue a statement; `send` executes what waits, in order, and
     raises the `conflict` of the first compare-and-set whose row count is not the number
     of its rows (the caller's transaction then rolls everything back). With a `select`,
-    `send` also reads those rows and returns them (`rows_select`).
+    `send` also reads those rows and returns them (`rows_select`); with a `reserve`, it
+    takes ids for new rows, which a later `insert` of those rows whole writes (the engine
+    names its next step rows, in its lock call, before it inserts them).
 
     On PostgreSQL everything queued goes in one text through the simple query protocol
     (psycopg's client-side binding, which Django uses there by default: each parameter
@@ -129,35 +131,84 @@ class Writes:
         if rows:
             self._queued.append((*_update_sql(model, rows, fields, status_in, match), conflict))
 
-    def insert(self, model: type[Model], rows: list[Model], fields: list[str]) -> None:
-        """Queue an INSERT of `rows` (`_insert_sql`)."""
+    def insert(self, model: type[Model], rows: list[Model], fields: list[str] | None = None) -> None:
+        """Queue an INSERT of `rows` (`_insert_sql`); without `fields`, of every concrete
+        field, the primary key included (rows whose ids `send` reserved)."""
         if rows:
+            if fields is None:
+                fields = [f.name for f in model._meta.concrete_fields]
             self._queued.append((*_insert_sql(model, rows, fields), None))
 
-    def send(self, select: tuple | None = None) -> list[Model]:
-        """Execute what waits; `select` = (model, column, values, related) is read after it."""
+    def send(
+        self, select: tuple | None = None, *, reserve: tuple[type[Model], int] | None = None
+    ) -> tuple[list[Model], list[int]]:
+        """Execute what waits, then read: `select` = (model, column, values, related) reads
+        those rows (`rows_select`), `reserve` = (model, n) takes the next `n` ids the
+        database would number new rows of `model` with (`_reserve_sql`). Returns both, in
+        that order ([] where not asked)."""
         queued, self._queued = self._queued, []
         db = _db()
-        reading = None
+        reads, selecting = [], None
         if select is not None and list(select[2]):
             model, column, values, related = select
-            reading = _select_for(db, model, related), column, list(values)
-        if not queued and reading is None:
-            return []
+            selecting = _select_for(db, model, related)
+            reads.append(selecting.statement(db, column, list(values)))
+        reserving = reserve is not None and reserve[1] > 0
+        if reserving:
+            reads.append(_reserve_sql(db, *reserve))
+        if not queued and not reads:
+            return [], []
         with db.cursor() as cursor:
             if _one_text(db, cursor):
-                counts, fetched = _send_one_text(db, cursor, queued, reading)
+                counts, results = _send_one_text(db, cursor, queued, reads)
             else:
                 counts = [_execute_on(cursor, sql, params) for sql, params, _ in queued]
-                fetched = None
-                if reading is not None:
-                    sql, params = reading[0].statement(db, reading[1], reading[2])
+                results = []
+                for sql, params in reads:
                     cursor.execute(sql, params)
-                    fetched = cursor.fetchall()
+                    results.append(cursor.fetchall())
         for (_, params, conflict), count in zip(queued, counts, strict=True):
             if conflict is not None and count != len(params):
                 raise conflict
-        return [] if reading is None else reading[0].build(db, fetched)
+        rows = selecting.build(db, results[0]) if selecting is not None else []
+        ids = _reserved(db, reserve[1], results[-1]) if reserving else []
+        return rows, ids
+
+
+def _reserve_sql(db: BaseDatabaseWrapper, model: type[Model], n: int) -> tuple[str, list]:
+    """The read that reserves the next ids of `model`'s AutoField (`Writes.send`), so that new
+    rows can be named before they are inserted and inserted whole, in their final state.
+
+    PostgreSQL: `nextval` of the column's sequence, `n` times:
+    the ids are the sequence's, as an INSERT would take them, never handed out twice, with
+    the gaps a rolled-back INSERT leaves too. SQLite: the highest id AUTOINCREMENT has
+    handed out; the ids after it are the caller's while its transaction holds SQLite's
+    write lock (IMMEDIATE transactions take it at BEGIN), and an INSERT of those ids moves
+    AUTOINCREMENT past them, as a rolled-back INSERT gives them back."""
+    meta = model._meta
+    if db.vendor == "postgresql":
+        return "SELECT nextval(pg_get_serial_sequence(%s, %s)) FROM generate_series(1, %s)", [
+            meta.db_table,
+            meta.pk.column,
+            n,
+        ]
+    if db.vendor == "sqlite":
+        if not db.in_atomic_block:
+            raise RuntimeError("reserving ids on SQLite needs the transaction that inserts them")
+        quote = db.ops.quote_name
+        return (
+            "SELECT max(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = %s), 0),"
+            f" COALESCE((SELECT max({quote(meta.pk.column)}) FROM {quote(meta.db_table)}), 0))",
+            [meta.db_table],
+        )
+    raise NotImplementedError(f"reserving ids on {db.vendor}")
+
+
+def _reserved(db: BaseDatabaseWrapper, n: int, fetched: list) -> list[int]:
+    if db.vendor == "postgresql":
+        return sorted(pk for (pk,) in fetched)
+    ((last,),) = fetched
+    return list(range(last + 1, last + n + 1))
 
 
 def _db() -> BaseDatabaseWrapper:
@@ -177,16 +228,15 @@ def _one_text(db: BaseDatabaseWrapper, cursor: Any) -> bool:
 
 
 def _send_one_text(
-    db: BaseDatabaseWrapper, cursor: Any, queued: list, reading: tuple | None
-) -> tuple[list[int], list | None]:
-    """PostgreSQL: every queued statement (one per parameter row) and the select in one text;
-    returns the row count per queued write and the select's rows."""
+    db: BaseDatabaseWrapper, cursor: Any, queued: list, reads: list
+) -> tuple[list[int], list[list]]:
+    """PostgreSQL: every queued statement (one per parameter row) and the reads in one text;
+    returns the row count per queued write and each read's rows."""
     texts = [cursor.mogrify(sql, row) for sql, params, _ in queued for row in params]
-    if reading is not None:
-        texts.append(cursor.mogrify(*reading[0].statement(db, reading[1], reading[2])))
+    texts += [cursor.mogrify(sql, params) for sql, params in reads]
     # The head says what the text carries (for pg_stat_activity, the server's log and
     # bench.sql_count): each queued statement, and how many rows they were sent for.
-    head = f"/* grouped: {len(queued) + (reading is not None)} statements, {len(texts)} rows */\n"
+    head = f"/* grouped: {len(queued) + len(reads)} statements, {len(texts)} rows */\n"
     cursor.execute(head + ";\n".join(texts))
     counts = []
     for _, params, _ in queued:
@@ -195,7 +245,11 @@ def _send_one_text(
             count += cursor.rowcount
             cursor.nextset()
         counts.append(count)
-    return counts, (cursor.fetchall() if reading is not None else None)
+    results = []
+    for _ in reads:
+        results.append(cursor.fetchall())
+        cursor.nextset()
+    return counts, results
 
 
 def _execute_on(cursor: Any, sql: str, params: list[list]) -> int:

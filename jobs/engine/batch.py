@@ -9,13 +9,14 @@ for new runs to start, and a worker takes what has gathered in the inbox
 2. in one transaction: pending runs start; acks mark their attempts in progress; dones
    end their attempts
    (as jobs/engine/attempts.py decides: succeeded, retrying, failed); runs whose step
-   ended move their cursor or end; the rows of their next steps are inserted, queued;
+   ended move their cursor or end; the rows of their next steps are made, queued, and
+   named by ids reserved with those writes (they are not inserted yet);
 3. makes one Redis call (devices.locks.device_locks_apply): the ended attempts' locks
    are released, each handing its device to the head of its queue, the new rows acquire
    theirs, and deadlines are set and cleared, a new attempt's only where its lock was
    granted;
-4. marks dispatched the rows that got a lock — its own new rows, and other runs' rows the
-   releases handed a device to — inserts every event, and commits;
+4. inserts its new rows whole, dispatched where they got a lock, marks dispatched the
+   other runs' rows the releases handed a device to, inserts every event, and commits;
 5. publishes every resulting command at once (QoS 1, acknowledgements awaited together),
    then clears their `send` deadlines and counts the metrics in one pipeline; only then
    are the events logged and the lifecycle ones sent out (`EventLog.committed`).
@@ -31,16 +32,17 @@ device with flow control.
 How it fails: each write is a compare-and-set whose count is checked. If another
 transition moved a row first (a cancel, a timeout, a duplicate reply in another batch),
 the transaction rolls back before any Redis write and the batch is applied again from a
-fresh read (CONFLICT_RETRIES times): the moved row's reply is then no longer current and
-goes the general way, the others still apply together. A batch that keeps conflicting is
-applied one reply at a time. A database error after the Redis call rolls the transaction
-back: the new rows' lock requests are withdrawn, devices already handed on are
-dispatched the general way, and the error is raised so the task runs again (the ended
-attempts are still in flight in the database, so the replies apply again; their releases
-are then stale and change nothing). A worker killed inside that window leaves a lock
-held for a row that was never committed; its lease runs out and the monitor passes it on
-(devices/lock_recovery.py), and the monitor takes over the inbox entries the dead worker
-had read and applies them again (jobs/inbox.py).
+fresh read (CONFLICT_RETRIES times; when the conflict is a next row another transition
+made first, found by the insert after the lock call, the lock call is undone first): the
+moved row's reply is then no longer current and goes the general way, the others still
+apply together. A batch that keeps conflicting is applied one reply at a time. A database
+error after the Redis call rolls the transaction back: the new rows' lock requests are
+withdrawn, devices already handed on are dispatched the general way, and the error is
+raised so the task runs again (the ended attempts are still in flight in the database, so
+the replies apply again; their releases are then stale and change nothing). A worker
+killed inside that window leaves a lock held for a row that was never committed; its lease
+runs out and the monitor passes it on (devices/lock_recovery.py), and the monitor takes
+over the inbox entries the dead worker had read and applies them again (jobs/inbox.py).
 """
 
 from __future__ import annotations
@@ -150,12 +152,13 @@ def _transition(
     try:
         with transaction.atomic():
             prepare()
-            batch.rows_insert()
+            batch.rows_name()
             batch.locks_apply()
             batch.handed_dispatch()
             batch.dispatches_write()
     except BatchConflict as conflict:
         log.info("batched transition: %s; %s", conflict, conflicted_what)
+        batch.undo()  # nothing to undo unless the conflict came after the lock call
         conflicted()
         return
     except Exception:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from django.db import IntegrityError, connection
+
 from devices.lock_recovery import locks_rebuild
 from devices.locks import (
     Grant,
@@ -22,6 +24,7 @@ from devices.locks import (
 from ..deadlines import Deadline, by_shard, deadline_score, deadlines_key
 from ..models import StepRun, StepStatus
 from ..rows import rows_select
+from .batch_rows import BatchConflict
 from .dispatch import Attempt, attempt_new, step_dispatch
 from .plan import RUN_ACTIVE, holder_step_id, is_task_row, lease_seconds, step_holder, step_spec
 
@@ -90,7 +93,10 @@ class BatchLocks:
         """
         handed = [(device, grant, holder_step_id(grant.holder)) for device, grant in self.handed]
         step_ids = {step_id for _, _, step_id in handed if step_id is not None}
-        rows = {s.pk: s for s in rows_select(StepRun, "id", step_ids, related=("run", "device"))}
+        # A new row of this batch is not inserted yet (`dispatches_write`): it is its own.
+        rows = {row.pk: row for row in self.new_rows if row.pk in step_ids}
+        read = rows_select(StepRun, "id", step_ids - rows.keys(), related=("run", "device"))
+        rows.update((s.pk, s) for s in read)
         ready: list[tuple[StepRun, Attempt]] = []
         for device, grant, step_id in handed:
             row = rows.get(step_id)
@@ -126,17 +132,27 @@ class BatchLocks:
             self._dispatch(row, attempt, attempt.changes["fence"])
 
     def dispatches_write(self) -> None:
-        """The dispatched rows and every event of the batch: sent together, before the commit."""
+        """The batch's new rows, whole (dispatched where the lock call granted their lock,
+        else queued), the rows handed a device, and every event: sent together, before the
+        commit."""
+        self.writes.insert(StepRun, self.new_rows)
+        new = {row.pk for row in self.new_rows}
         self.writes.update(
             StepRun,
-            self.dispatches,
+            [row for row in self.dispatches if row.pk not in new],
             DISPATCH_FIELDS,
             status_in=(StepStatus.QUEUED,),
             # A handed row was canceled meanwhile: undo and let the task run again.
             conflict=BatchRetry("a dispatched row moved during its reply batch"),
         )
         self.events.insert(writes=self.writes)
-        self.writes.send()
+        try:
+            self.writes.send()
+        except IntegrityError:
+            # Another transition made a next row of one of these runs first.
+            raise BatchConflict("a next step's row exists already") from None
+        for row in self.new_rows:
+            row._state.adding, row._state.db = False, connection.alias
 
     def undo(self) -> None:
         """The transaction failed after the lock call: withdraw what it asked for."""

@@ -9,15 +9,13 @@ from datetime import datetime, timedelta
 from functools import partial
 from uuid import UUID
 
-from django.db import IntegrityError
-
 from devices import protocol
 from devices.models import Device
 
 from .. import templating
 from ..deadlines import Deadline, by_shard, deadline_score
 from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
-from ..rows import rows_create, rows_select
+from ..rows import rows_select
 from .attempts import attempt_deadlines, attempt_outcome
 from .dispatch import attempt_new
 from .plan import (
@@ -213,8 +211,9 @@ class BatchRows:
         self.finished.append(run)
         self.events.add(f"run.{status}", run=run, message=error)
 
-    def rows_insert(self) -> None:
-        """Queued rows for the runs' next steps; other kinds start the general way."""
+    def rows_name(self) -> None:
+        """The runs' next steps: their rows made and named, queued (they are inserted whole
+        after the lock call, `dispatches_write`); other kinds start the general way."""
         plans = {}
         for run in self.starting:
             if run.cursor >= len(run.plan):
@@ -227,11 +226,11 @@ class BatchRows:
             else:
                 plans[run.pk] = (run, spec, name)
         names = {name for _, _, name in plans.values()}
-        # The writes queued so far go with this read: one round trip on PostgreSQL, and
-        # every compare-and-set is checked before the lock call.
-        found = self.writes.send(select=(Device, "name", names, ()))
+        # The writes queued so far go with this read and the ids' reservation: one round
+        # trip on PostgreSQL, and every compare-and-set is checked before the lock call.
+        found, ids = self.writes.send(select=(Device, "name", names, ()), reserve=(StepRun, len(plans)))
         devices = {device.name: device for device in found}
-        for run, spec, name in plans.values():
+        for (run, spec, name), pk in zip(plans.values(), ids, strict=True):
             device = devices.get(name)
             try:
                 args = step_args(run, spec["args"], device) if device is not None else None
@@ -242,6 +241,7 @@ class BatchRows:
                 self.later.append(partial(run_step_enter, run=run, index=run.cursor))
                 continue
             row = StepRun(
+                pk=pk,
                 run=run,
                 phase=Phase.FORWARD,
                 index=run.cursor,
@@ -253,14 +253,6 @@ class BatchRows:
                 deadline=self.now + timedelta(seconds=spec["queue_timeout_seconds"]),
             )
             self.new_rows.append(row)
-        if not self.new_rows:
-            return
-        try:
-            # No savepoint: a conflict rolls the whole transition back anyway.
-            rows_create(StepRun, self.new_rows)
-        except IntegrityError:
-            raise BatchConflict("a next step's row exists already") from None
-        for row in self.new_rows:
             self.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
             self._acquire(row)
 

@@ -208,6 +208,42 @@ def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manu
     assert device_lock_state(device.name).holder == f"step:{step1.pk}"
 
 
+def test_a_next_row_made_meanwhile_conflicts_after_the_lock_call_is_undone_and_applies_again(
+    stack, manual_device, monkeypatch
+):
+    # given a step in flight, and the run's next row made by another transition after the
+    # batch named its own next row and took that row's lock (made in the batch's own
+    # transaction here, so that the batch's insert of its row finds it)
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    real_insert = EventLog.insert
+    holders = []
+
+    def next_row_made_meanwhile(self, *args, **kwargs):
+        if not holders:
+            holders.append(device_lock_state(device.name).holder)
+            StepRun.objects.create(run=run, index=1, device=device, action="second", status=StepStatus.QUEUED)
+        real_insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(EventLog, "insert", next_row_made_meanwhile)
+
+    # when the device's done is applied
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then the first try had the next row's lock before its row existed; the conflict
+    # rolled both rows back, gave that lock back, and the batch applied again from a fresh
+    # read: one next row, holding the lock, and the only command the device got next is its
+    (holder,) = holders
+    assert holder.startswith("step:") and holder != f"step:{StepRun.objects.get(run=run, index=0).pk}"
+    step1 = StepRun.objects.get(run=run, index=1)
+    assert StepRun.objects.get(run=run, index=0).status == StepStatus.SUCCEEDED
+    assert step1.status == StepStatus.DISPATCHED
+    assert device_lock_state(device.name).holder == f"step:{step1.pk}"
+    second = hand.next_command()
+    assert (second["step"], second["id"]) == (1, step1.command_id)
+    assert second["token"] > first["token"]
+    assert RunEvent.objects.filter(run=run, kind="step.dispatched", step_run=step1).count() == 1
+
+
 def test_a_batch_logs_and_tells_out_its_events_only_once_committed(stack, manual_device, monkeypatch, caplog):
     # given a step in flight, a lifecycle receiver, and a database failure right after the
     # batch queued its events

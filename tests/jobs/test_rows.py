@@ -114,7 +114,7 @@ def test_grouped_writes_are_checked_in_order_and_read_with_their_select(rows, dj
     writes.insert(RunEvent, [event], EVENT_FIELDS)
     one_text = connection.vendor == "postgresql"
     with django_assert_num_queries(1 if one_text else 3):
-        (found,) = writes.send(select=(Device, "name", [device.name, "no-such-device"], ()))
+        (found,), _ = writes.send(select=(Device, "name", [device.name, "no-such-device"], ()))
     assert fields_of(found) == fields_of(Device.objects.get(pk=device.pk))
     stored = StepRun.objects.get(pk=with_device.pk)
     assert (stored.status, stored.result, stored.finished_at) == (StepStatus.SUCCEEDED, tricky, now)
@@ -135,7 +135,46 @@ def test_grouped_writes_are_checked_in_order_and_read_with_their_select(rows, dj
         writes.send()
     assert StepRun.objects.get(pk=without_device.pk).status == StepStatus.CANCELED
     assert StepRun.objects.get(pk=with_device.pk).progress is None
-    assert writes.send() == []  # nothing left queued
+    assert writes.send() == ([], [])  # nothing left queued
+
+
+def test_reserved_ids_name_rows_inserted_whole_later_and_are_not_handed_out_again(
+    rows, django_assert_num_queries
+):
+    """`Writes.send(reserve=...)`: ids taken before their rows exist, with the writes and the
+    read in one text on PostgreSQL (the engine names its next step rows in its lock call,
+    then inserts them whole); the database numbers its next row after them."""
+    run, device, with_device, without_device = rows
+    with_device.progress = 10
+    writes = Writes()
+    writes.update(StepRun, [with_device], ["progress"], status_in=(StepStatus.DISPATCHED,))
+    with transaction.atomic():
+        with django_assert_num_queries(1 if connection.vendor == "postgresql" else 3):
+            (found,), ids = writes.send(select=(Device, "name", [device.name], ()), reserve=(StepRun, 3))
+        assert found.pk == device.pk
+        assert len(set(ids)) == 3 and min(ids) > without_device.pk
+        now = timezone.now()
+        new = [
+            StepRun(
+                pk=pk,
+                run=run,
+                index=5 + n,
+                device=device,
+                action="close",
+                status=StepStatus.DISPATCHED,
+                command_id=f"cmd-reserved-{n}",
+                fence=3,
+                dispatched_at=now,
+            )
+            for n, pk in enumerate(ids)
+        ]
+        writes.insert(StepRun, new)
+        assert writes.send() == ([], [])
+    assert StepRun.objects.get(pk=with_device.pk).progress == 10
+    for row in new:
+        assert fields_of(StepRun.objects.get(pk=row.pk)) == fields_of(row)
+    later = StepRun.objects.create(run=run, index=9, device=device, action="open")
+    assert later.pk > max(ids)
 
 
 def test_created_rows_get_their_ids_and_read_back_as_the_orm_wrote_them(rows):
