@@ -140,12 +140,21 @@ class Writes:
             self._queued.append((*_insert_sql(model, rows, fields), None))
 
     def send(
-        self, select: tuple | None = None, *, reserve: tuple[type[Model], int] | None = None
+        self,
+        select: tuple | None = None,
+        *,
+        reserve: tuple[type[Model], int] | None = None,
+        last: bool = False,
     ) -> tuple[list[Model], list[int]]:
         """Execute what waits, then read: `select` = (model, column, values, related) reads
         those rows (`rows_select`), `reserve` = (model, n) takes the next `n` ids the
         database would number new rows of `model` with (`_reserve_sql`). Returns both, in
-        that order ([] where not asked)."""
+        that order ([] where not asked).
+
+        `last`: nothing else is written in the caller's transaction. On PostgreSQL, when
+        nothing queued has a row count to check and the transaction is the outermost atomic
+        block's, the text then ends with its COMMIT (`_commit_rides`), which saves the
+        commit's own round trip."""
         queued, self._queued = self._queued, []
         db = _db()
         reads, selecting = [], None
@@ -160,7 +169,8 @@ class Writes:
             return [], []
         with db.cursor() as cursor:
             if _one_text(db, cursor):
-                counts, results = _send_one_text(db, cursor, queued, reads)
+                commit = last and _commit_rides(db, queued)
+                counts, results = _send_one_text(db, cursor, queued, reads, commit=commit)
             else:
                 counts = [_execute_on(cursor, sql, params) for sql, params, _ in queued]
                 results = []
@@ -227,17 +237,34 @@ def _one_text(db: BaseDatabaseWrapper, cursor: Any) -> bool:
     return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
 
 
+def _commit_rides(db: BaseDatabaseWrapper, queued: list) -> bool:
+    """Whether the last text of a transaction can carry its COMMIT: no row count is left to
+    check after it (a conflict must still be able to roll back), and the transaction is the
+    outermost atomic block's, which commits on leaving (not a savepoint, not a test's
+    transaction). The block's own commit then finds the connection outside a transaction
+    and psycopg sends nothing; an error in the text stops it before the COMMIT, and the
+    block rolls back as usual."""
+    return (
+        all(conflict is None for _, _, conflict in queued)
+        and len(db.atomic_blocks) == 1
+        and db.commit_on_exit
+        and not db.savepoint_ids
+        and not db.needs_rollback
+    )
+
+
 def _send_one_text(
-    db: BaseDatabaseWrapper, cursor: Any, queued: list, reads: list
+    db: BaseDatabaseWrapper, cursor: Any, queued: list, reads: list, *, commit: bool = False
 ) -> tuple[list[int], list[list]]:
-    """PostgreSQL: every queued statement (one per parameter row) and the reads in one text;
-    returns the row count per queued write and each read's rows."""
+    """PostgreSQL: every queued statement (one per parameter row) and the reads in one text,
+    and the COMMIT if `commit`; returns the row count per queued write and each read's rows."""
     texts = [cursor.mogrify(sql, row) for sql, params, _ in queued for row in params]
     texts += [cursor.mogrify(sql, params) for sql, params in reads]
     # The head says what the text carries (for pg_stat_activity, the server's log and
-    # bench.sql_count): each queued statement, and how many rows they were sent for.
-    head = f"/* grouped: {len(queued) + len(reads)} statements, {len(texts)} rows */\n"
-    cursor.execute(head + ";\n".join(texts))
+    # bench.sql_count): each queued statement, how many rows they were sent for, the commit.
+    tail = ", commit" if commit else ""
+    head = f"/* grouped: {len(queued) + len(reads)} statements, {len(texts)} rows{tail} */\n"
+    cursor.execute(head + ";\n".join([*texts, "COMMIT"] if commit else texts))
     counts = []
     for _, params, _ in queued:
         count = 0

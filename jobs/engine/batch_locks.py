@@ -93,10 +93,8 @@ class BatchLocks:
         """
         handed = [(device, grant, holder_step_id(grant.holder)) for device, grant in self.handed]
         step_ids = {step_id for _, _, step_id in handed if step_id is not None}
-        # A new row of this batch is not inserted yet (`dispatches_write`): it is its own.
-        rows = {row.pk: row for row in self.new_rows if row.pk in step_ids}
-        read = rows_select(StepRun, "id", step_ids - rows.keys(), related=("run", "device"))
-        rows.update((s.pk, s) for s in read)
+        # (The batch's own new rows are not among them: its releases come before its acquires.)
+        rows = {s.pk: s for s in rows_select(StepRun, "id", step_ids, related=("run", "device"))}
         ready: list[tuple[StepRun, Attempt]] = []
         for device, grant, step_id in handed:
             row = rows.get(step_id)
@@ -133,8 +131,9 @@ class BatchLocks:
 
     def dispatches_write(self) -> None:
         """The batch's new rows, whole (dispatched where the lock call granted their lock,
-        else queued), the rows handed a device, and every event: sent together, before the
-        commit."""
+        else queued), the rows handed a device, and every event: sent together, the last
+        thing the transaction does (on PostgreSQL the COMMIT rides in the same text unless a
+        handed row's compare-and-set is in it: `Writes.send(last=True)`)."""
         self.writes.insert(StepRun, self.new_rows)
         new = {row.pk for row in self.new_rows}
         self.writes.update(
@@ -147,7 +146,7 @@ class BatchLocks:
         )
         self.events.insert(writes=self.writes)
         try:
-            self.writes.send()
+            self.writes.send(last=True)
         except IntegrityError:
             # Another transition made a next row of one of these runs first.
             raise BatchConflict("a next step's row exists already") from None

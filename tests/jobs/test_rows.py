@@ -221,3 +221,46 @@ def test_the_last_row_by_a_field_is_the_orms_latest(rows):
     last = row_last(TemplateVersion, "template", template.pk, by="number")
     expected = template.versions.order_by("-number").first()
     assert last.number == 7 and fields_of(last) == fields_of(expected)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_last_writes_of_a_transaction_carry_its_commit_only_when_nothing_is_left_to_check(rows):
+    """`Writes.send(last=True)`: on PostgreSQL the text ends with the COMMIT when no row count
+    is left to check and the block is the outermost; otherwise the block commits or rolls
+    back as usual. Elsewhere the block always commits itself."""
+    run, device, with_device, _ = rows
+    postgresql = connection.vendor == "postgresql"
+
+    def event(kind: str) -> RunEvent:
+        made = RunEvent(run=run, kind=kind, device=device.name, message="")
+        made.data, made.created_at = {}, timezone.now()
+        return made
+
+    def in_transaction() -> bool:
+        return connection.connection.info.transaction_status != 0  # psycopg: 0 is IDLE
+
+    writes = Writes()
+    with transaction.atomic():
+        writes.insert(RunEvent, [event("rides")], EVENT_FIELDS)
+        writes.send(last=True)
+        if postgresql:
+            assert not in_transaction()  # committed by the text itself
+    assert RunEvent.objects.filter(kind="rides").exists()
+
+    # a compare-and-set in the text: its count must be able to roll the block back
+    with pytest.raises(LookupError), transaction.atomic():
+        writes.insert(RunEvent, [event("checked")], EVENT_FIELDS)
+        moved = LookupError("moved")
+        writes.update(StepRun, [with_device], ["progress"], status_in=(StepStatus.PENDING,), conflict=moved)
+        writes.send(last=True)
+    assert not RunEvent.objects.filter(kind="checked").exists()
+
+    # a savepoint inside an outer block: the outer block decides, and here it rolls back
+    with pytest.raises(RuntimeError), transaction.atomic():
+        with transaction.atomic():
+            writes.insert(RunEvent, [event("nested")], EVENT_FIELDS)
+            writes.send(last=True)
+            if postgresql:
+                assert in_transaction()
+        raise RuntimeError("the outer block fails")
+    assert not RunEvent.objects.filter(kind="nested").exists()
