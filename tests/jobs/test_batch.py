@@ -11,6 +11,7 @@ import logging
 
 import pytest
 from django.db import OperationalError, connection
+from django.test.utils import CaptureQueriesContext
 
 from devices.locks import device_lock_state
 from devices.protocol import Reply
@@ -166,6 +167,29 @@ def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, ma
     assert step0.status == StepStatus.SUCCEEDED
     second = hand.next_command()
     assert (second["step"], second["id"]) == (1, StepRun.objects.get(run=run, index=1).command_id)
+
+
+def test_a_done_that_starts_the_next_step_costs_three_texts_on_postgresql(stack, manual_device):
+    # given a step in flight, its run's next step on the same (then free) device
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+
+    # when its done is applied
+    with CaptureQueriesContext(connection) as queries:
+        engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then the next command went out, and on PostgreSQL the batch sent the database three
+    # texts (besides the BEGIN psycopg sends): the rows' read; the writes with the device's
+    # read and the next row's id reserved; the next row, inserted dispatched, its events and
+    # the COMMIT. Elsewhere each statement goes on its own.
+    second = hand.next_command()
+    assert (second["step"], second["id"]) == (1, StepRun.objects.get(run=run, index=1).command_id)
+    # (Django lists its own BEGIN and COMMIT too; psycopg found nothing left to commit.)
+    sql = [query["sql"] for query in queries.captured_queries if query["sql"] not in ("BEGIN", "COMMIT")]
+    if connection.vendor == "postgresql":
+        assert len(sql) == 3, sql
+        assert "nextval" in sql[1]
+        assert 'INSERT INTO "jobs_steprun"' in sql[2] and sql[2].rstrip().endswith("COMMIT")
+        assert 'UPDATE "jobs_steprun"' not in sql[2]  # inserted whole, not updated after
 
 
 def test_a_batch_whose_transaction_fails_is_undone_and_applies_again(stack, manual_device, monkeypatch):
