@@ -189,12 +189,12 @@ def _reserve_sql(db: BaseDatabaseWrapper, model: type[Model], n: int) -> tuple[s
     """The read that reserves the next ids of `model`'s AutoField (`Writes.send`), so that new
     rows can be named before they are inserted and inserted whole, in their final state.
 
-    PostgreSQL: `nextval` of the column's sequence, `n` times:
-    the ids are the sequence's, as an INSERT would take them, never handed out twice, with
-    the gaps a rolled-back INSERT leaves too. SQLite: the highest id AUTOINCREMENT has
-    handed out; the ids after it are the caller's while its transaction holds SQLite's
-    write lock (IMMEDIATE transactions take it at BEGIN), and an INSERT of those ids moves
-    AUTOINCREMENT past them, as a rolled-back INSERT gives them back."""
+    PostgreSQL: `nextval` of the column's sequence, `n` times: the ids are the sequence's,
+    as an INSERT would take them, never handed out twice, with the gaps a rolled-back INSERT
+    leaves too. SQLite: the highest id AUTOINCREMENT has handed out; the ids after it are
+    the caller's while its transaction holds SQLite's write lock (IMMEDIATE transactions
+    take it at BEGIN), and an INSERT of those ids moves AUTOINCREMENT past them, as a
+    rolled-back INSERT gives them back."""
     meta = model._meta
     if db.vendor == "postgresql":
         return "SELECT nextval(pg_get_serial_sequence(%s, %s)) FROM generate_series(1, %s)", [
@@ -215,6 +215,7 @@ def _reserve_sql(db: BaseDatabaseWrapper, model: type[Model], n: int) -> tuple[s
 
 
 def _reserved(db: BaseDatabaseWrapper, n: int, fetched: list) -> list[int]:
+    """The `n` ids `_reserve_sql`'s rows give, in ascending order."""
     if db.vendor == "postgresql":
         return sorted(pk for (pk,) in fetched)
     ((last,),) = fetched
