@@ -91,8 +91,7 @@ def rows_create(model: type[Model], rows: list[Model]) -> None:
             if made:  # in the order of VALUES, on both databases (bulk_create relies on it too)
                 for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
                     row.pk = pk
-            for row in chunk:
-                row._state.adding, row._state.db = False, db.alias
+            _saved(chunk, db)
 
 
 class Writes:
@@ -115,6 +114,7 @@ class Writes:
 
     def __init__(self) -> None:
         self._queued: list[tuple[str, list[list], Exception | None]] = []
+        self._inserted: list[Model] = []  # marked saved once their INSERT went through
 
     def update(
         self,
@@ -138,6 +138,7 @@ class Writes:
             if fields is None:
                 fields = [f.name for f in model._meta.concrete_fields]
             self._queued.append((*_insert_sql(model, rows, fields), None))
+            self._inserted.extend(rows)
 
     def send(
         self,
@@ -156,6 +157,7 @@ class Writes:
         block's, the text then ends with its COMMIT (`_commit_rides`), which saves the
         commit's own round trip."""
         queued, self._queued = self._queued, []
+        inserted, self._inserted = self._inserted, []
         db = _db()
         reads, selecting = [], None
         if select is not None and list(select[2]):
@@ -180,6 +182,7 @@ class Writes:
         for (_, params, conflict), count in zip(queued, counts, strict=True):
             if conflict is not None and count != len(params):
                 raise conflict
+        _saved(inserted, db)
         rows = selecting.build(db, results[0]) if selecting is not None else []
         ids = _reserved(db, reserve[1], results[-1]) if reserving else []
         return rows, ids
@@ -220,6 +223,12 @@ def _reserved(db: BaseDatabaseWrapper, n: int, fetched: list) -> list[int]:
         return sorted(pk for (pk,) in fetched)
     ((last,),) = fetched
     return list(range(last + 1, last + n + 1))
+
+
+def _saved(rows: list[Model], db: BaseDatabaseWrapper) -> None:
+    """Mark inserted rows as the ORM marks what it saved (no longer adding, in this database)."""
+    for row in rows:
+        row._state.adding, row._state.db = False, db.alias
 
 
 def _db() -> BaseDatabaseWrapper:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from django.db import IntegrityError, connection
+from django.db import IntegrityError
 
 from devices.lock_recovery import locks_rebuild
 from devices.locks import (
@@ -150,8 +150,6 @@ class BatchLocks:
         except IntegrityError:
             # Another transition made a next row of one of these runs first.
             raise BatchConflict("a next step's row exists already") from None
-        for row in self.new_rows:
-            row._state.adding, row._state.db = False, connection.alias
 
     def undo(self) -> None:
         """The transaction failed after the lock call: withdraw what it asked for."""

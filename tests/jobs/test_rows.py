@@ -170,6 +170,7 @@ def test_reserved_ids_name_rows_inserted_whole_later_and_are_not_handed_out_agai
         ]
         writes.insert(StepRun, new)
         assert writes.send() == ([], [])
+        assert not any(row._state.adding for row in new)  # saved, as the ORM marks it
     assert StepRun.objects.get(pk=with_device.pk).progress == 10
     for row in new:
         assert fields_of(StepRun.objects.get(pk=row.pk)) == fields_of(row)
