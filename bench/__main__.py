@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.errors_say(say)
             return 1
         monitor = _monitor_phase(stack)
-        result = _result(args, baseline, engine, monitor, database=stack.database)
+        round_trips = _round_trip_phase()
+        result = _result(args, baseline, engine, monitor, round_trips, database=stack.database)
         from .report import machine_describe, result_write
 
         machine = machine_describe(
@@ -259,11 +260,22 @@ def _monitor_phase(stack: BenchStack) -> dict[str, Any]:
     return monitor
 
 
+def _round_trip_phase() -> dict[str, dict[str, float]]:
+    from .wake import round_trips_measure
+
+    say("round trips, back to back and after a pause (ms, median):")
+    round_trips = round_trips_measure()
+    for name, figures in round_trips.items():
+        say(f"  {name}: " + ", ".join(f"{pause} {ms}" for pause, ms in figures.items()))
+    return round_trips
+
+
 def _result(
     args: argparse.Namespace,
     baseline: dict[str, Any] | None,
     engine: dict[str, Any],
     monitor: dict[str, Any],
+    round_trips: dict[str, dict[str, float]],
     *,
     database: str,
 ) -> dict[str, Any]:
@@ -298,6 +310,7 @@ def _result(
         "lock_wait_p99_ms": saturated["lock_wait_ms"]["p99"],
         "monitor_tick_ms": monitor["tick_ms"],
         "monitor_tick_first_ms": monitor["first_tick_ms"],
+        "round_trip_ms": round_trips,
         "failed_runs": saturated["failed_runs"] + paced.get("failed_runs", 0) + trickle.get("failed_runs", 0),
         "database": database,
         "machine": machine_summary(),
