@@ -415,6 +415,9 @@ IOTQUEUE_WEBHOOK_BACKOFF_SECONDS = env.float("IOTQUEUE_WEBHOOK_BACKOFF_SECONDS",
 IOTQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS = env.float("IOTQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS", default=120.0)
 # Deliveries failing for good in a row (every attempt used) before a webhook is disabled.
 IOTQUEUE_WEBHOOK_DISABLE_AFTER = env.int("IOTQUEUE_WEBHOOK_DISABLE_AFTER", default=10)
+# Networks (comma-separated CIDRs) webhooks may reach although they are loopback, private or
+# link-local; empty: public addresses only (webhooks/addresses.py refuses the rest, SSRF).
+IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS = env.list("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", default=[])
 
 # --- Engine ------------------------------------------------------------------------------
 IOTQUEUE_REDIS_KEY_PREFIX = env("IOTQUEUE_REDIS_KEY_PREFIX", default="iq")

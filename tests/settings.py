@@ -8,5 +8,8 @@ iotqueue.settings and this process's environment) run in development mode too.
 import os
 
 os.environ["DEBUG"] = "true"
+# The webhook tests' receivers listen on 127.0.0.1, which webhooks refuse unless listed
+# (tests/webhooks prove that, without the list, loopback is refused).
+os.environ.setdefault("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.0/8")
 
 from iotqueue.settings import *  # noqa: F403
