@@ -14,7 +14,7 @@ from typing import Any
 from django.conf import settings
 
 from iotqueue.jsondepth import json_max_depth, json_too_deep
-from iotqueue.nul import nul_path
+from iotqueue.text import text_problem
 
 PROTOCOL_VERSION = 1
 # v1.1 adds to v1 without changing it (a v1 device never sees a difference): jobs/get and
@@ -147,7 +147,8 @@ class Reply:
 
 
 def payload_json(raw: bytes) -> Any:
-    """Decode a message body; oversized, non-JSON or too deeply nested bodies raise ProtocolError."""
+    """Decode a message body; oversized, non-JSON or too deeply nested bodies, and bodies with
+    text that cannot be stored (a NUL, a lone surrogate: iotqueue/text.py), raise ProtocolError."""
     if len(raw) > settings.IOTQUEUE_MAX_PAYLOAD_BYTES:
         raise ProtocolError(f"payload of {len(raw)} bytes exceeds {settings.IOTQUEUE_MAX_PAYLOAD_BYTES}")
     too_deep = f"payload is nested more than {json_max_depth()} levels deep (IOTQUEUE_JSON_MAX_DEPTH)"
@@ -159,9 +160,9 @@ def payload_json(raw: bytes) -> Any:
         raise ProtocolError(f"payload is not JSON: {exc}") from None
     if json_too_deep(body):
         raise ProtocolError(too_deep)
-    where = nul_path(body)
-    if where:
-        raise ProtocolError(f"payload has a NUL character (\\u0000) in {where}")
+    problem = text_problem(body)
+    if problem:
+        raise ProtocolError(f"payload holds text that cannot be stored: {problem}")
     return body
 
 

@@ -1,6 +1,7 @@
-"""REST plumbing shared by every app: parsers that bound what they accept (NUL characters,
-nesting depth, body size) with a 4xx instead of a database error or a 500, a JSON field for
-stored JSON, and a middleware refusing NUL characters in URLs.
+"""REST plumbing shared by every app: parsers that bound what they accept (text that cannot
+be stored — NUL characters and lone surrogates, iotqueue/text.py —, nesting depth, body
+size) with a 4xx instead of a database error or a 500, a JSON field for stored JSON, and a
+middleware refusing such text in URLs.
 
 The exception handler lives in iotqueue/api_errors.py: it imports DRF's views, which import
 the parsers named in the settings, i.e. this module.
@@ -20,7 +21,7 @@ from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.utils.json import strict_constant
 
 from .jsondepth import json_max_depth, json_too_deep
-from .nul import NUL, nul_path
+from .text import text_problem, text_unstorable
 
 
 class RequestTooLarge(APIException):
@@ -61,14 +62,14 @@ def _body_read(stream, parser_context: dict | None) -> bytes:
     return body
 
 
-def _nul_refuse(data) -> None:
-    where = nul_path(dict(data.lists()) if hasattr(data, "lists") else data)  # a QueryDict: every value
-    if where:
-        raise ParseError(f"NUL characters (\\u0000) are not accepted: found in {where}")
+def _text_refuse(data) -> None:
+    problem = text_problem(dict(data.lists()) if hasattr(data, "lists") else data)  # a QueryDict: every value
+    if problem:
+        raise ParseError(f"Text that cannot be stored is not accepted: {problem}")
 
 
 class NulRefusingJSONParser(JSONParser):
-    """DRF's JSON parser, refusing (400) a NUL character in any string or key and nesting
+    """DRF's JSON parser, refusing (400) a NUL or a lone surrogate in any string or key and nesting
     beyond IOTQUEUE_JSON_MAX_DEPTH, and (413) a body over DATA_UPLOAD_MAX_MEMORY_SIZE."""
 
     def parse(self, stream, media_type=None, parser_context=None):
@@ -83,7 +84,7 @@ class NulRefusingJSONParser(JSONParser):
             raise ParseError(f"JSON parse error - {exc}") from None
         if json_too_deep(data):
             raise ParseError(_too_deep_message())
-        _nul_refuse(data)
+        _text_refuse(data)
         return data
 
 
@@ -91,7 +92,7 @@ class NulRefusingFormParser(FormParser):
     def parse(self, stream, media_type=None, parser_context=None):
         encoding = (parser_context or {}).get("encoding") or settings.DEFAULT_CHARSET
         data = QueryDict(_body_read(stream, parser_context), encoding=encoding)
-        _nul_refuse(data)
+        _text_refuse(data)
         return data
 
 
@@ -99,7 +100,7 @@ class NulRefusingMultiPartParser(MultiPartParser):
     def parse(self, stream, media_type=None, parser_context=None):
         _body_size_check(parser_context)  # Django's parser bounds the fields, not the files
         parsed = super().parse(stream, media_type, parser_context)
-        _nul_refuse(parsed.data)
+        _text_refuse(parsed.data)
         return parsed
 
 
@@ -111,7 +112,10 @@ class BoundedJSONField(serializers.JSONField):
     and a deeply nested string a RecursionError.
     """
 
-    default_error_messages = {"too_deep": "JSON nested more than {limit} levels deep is not accepted."}
+    default_error_messages = {
+        "too_deep": "JSON nested more than {limit} levels deep is not accepted.",
+        "text": "Text that cannot be stored is not accepted: {problem}",
+    }
 
     def to_internal_value(self, data: Any) -> Any:
         try:
@@ -122,6 +126,9 @@ class BoundedJSONField(serializers.JSONField):
             self.fail("null")
         if json_too_deep(value):
             self.fail("too_deep", limit=json_max_depth())
+        problem = text_problem(value)
+        if problem:
+            self.fail("text", problem=problem)
         return value
 
 
@@ -135,16 +142,15 @@ class BoundedModelSerializer(serializers.ModelSerializer):
 
 
 class NulRefusingMiddleware:
-    """400 for a URL path or query parameter holding a NUL character."""
+    """400 for a URL path or query parameter holding text that cannot be stored."""
 
     def __init__(self, get_response) -> None:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if NUL in request.path or any(
-            NUL in key or any(NUL in value for value in values) for key, values in request.GET.lists()
-        ):
+        problem = text_unstorable(request.path) or text_problem(dict(request.GET.lists()))
+        if problem:
             return JsonResponse(
-                {"detail": "NUL characters are not accepted in the URL or its query parameters"}, status=400
+                {"detail": f"Text that cannot be stored is not accepted in the URL: {problem}"}, status=400
             )
         return self.get_response(request)

@@ -1,4 +1,5 @@
-"""Form fields shared by the admin: JSON text that cannot nest past the project's limit.
+"""Form fields shared by the admin: JSON text that cannot nest past the project's limit and
+holds only text that can be stored (iotqueue/text.py: `"\\ud800"` is valid JSON).
 
 Django's forms.JSONField turns a decoding error into a form error, but not a RecursionError
 (JSON nested about a thousand levels deep), which became an HTTP 500 on the admin pages.
@@ -16,10 +17,17 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from .jsondepth import json_max_depth, json_too_deep
+from .text import text_problem
 
 
 def _depth_error() -> ValidationError:
     return ValidationError(f"Nested more than {json_max_depth()} levels deep (IOTQUEUE_JSON_MAX_DEPTH).")
+
+
+def _text_check(value: Any) -> None:
+    problem = text_problem(value)
+    if problem:
+        raise ValidationError(f"Text that cannot be stored is not accepted: {problem}")
 
 
 def json_text_parse(text: str) -> Any:
@@ -32,6 +40,7 @@ def json_text_parse(text: str) -> Any:
         raise _depth_error() from None
     if json_too_deep(value):
         raise _depth_error()
+    _text_check(value)
     return value
 
 
@@ -43,13 +52,18 @@ class BoundedJSONFormField(forms.JSONField):
             raise _depth_error() from None
         if json_too_deep(converted):
             raise _depth_error()
+        _text_check(converted)
         return converted
 
     def bound_data(self, data: Any, initial: Any) -> Any:
         try:
-            return super().bound_data(data, initial)
+            value = super().bound_data(data, initial)
         except RecursionError:  # redisplaying what was typed: as typed
             return forms.fields.InvalidJSONInput(data)
+        if not isinstance(value, forms.fields.InvalidJSONInput) and text_problem(value):
+            # Re-encoded, a lone surrogate would make the page itself unencodable (a 500).
+            return forms.fields.InvalidJSONInput(data)
+        return value
 
     def prepare_value(self, value: Any) -> Any:
         try:

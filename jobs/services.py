@@ -12,6 +12,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from devices.selectors import selector_parse
+from iotqueue.text import text_problem
 
 from .engine.plan import fanout_devices
 from .events import event_record
@@ -152,7 +153,7 @@ def run_start(
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise RunStartError("parameters", "parameters must be a JSON object")
-    _parameters_size_check(parameters)
+    _parameters_check(parameters)
     if priority is not None and not 0 <= priority <= 9:
         raise RunStartError("priority", "priority must be from 0 to 9")
     if idempotency_key:
@@ -202,7 +203,12 @@ def _run_version(template: JobTemplate, number: int | None) -> TemplateVersion:
     return version
 
 
-def _parameters_size_check(parameters: dict[str, Any]) -> None:
+def _parameters_check(parameters: dict[str, Any]) -> None:
+    """Parameters every entrance (REST, admin, CLI, trigger rules, canvas) may store: text
+    that can be stored (iotqueue/text.py), within IOTQUEUE_RUN_PARAMETERS_MAX_BYTES."""
+    problem = text_problem(parameters)
+    if problem:
+        raise RunStartError("parameters", f"text that cannot be stored is not accepted: {problem}")
     size = len(json.dumps(parameters, separators=(",", ":"), ensure_ascii=False).encode())
     limit = settings.IOTQUEUE_RUN_PARAMETERS_MAX_BYTES
     if size > limit:

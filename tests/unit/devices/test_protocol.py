@@ -174,8 +174,24 @@ def test_a_body_that_is_not_json_is_a_protocol_error(raw):
 
 def test_a_nul_character_is_refused_with_where_it_is():
     # PostgreSQL cannot store it: refused on entry, naming the place
-    with pytest.raises(protocol.ProtocolError, match=r"NUL character \(\\u0000\) in result.name"):
+    with pytest.raises(protocol.ProtocolError, match=r"result.name: a NUL character \(\\u0000\)"):
         protocol.payload_json(b'{"id": "c", "ok": true, "result": {"name": "a\\u0000b"}}')
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b'{"id": "poison-\\ud800", "ok": true}', "id"),
+        (b'{"id": "c", "ok": true, "result": {"x": "\\ud800"}}', "result.x"),
+        (b'{"id": "c", "ok": false, "error": "\\udfff"}', "error"),
+        (b'{"id": "c", "progress": 5, "detail": "\\udc80"}', "detail"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_with_where_it_is(raw, where):
+    # given a body whose JSON escape decodes to half of a UTF-16 pair: valid JSON, no UTF-8
+    # then it is refused on entry, naming the place, before anything could try to store it
+    with pytest.raises(protocol.ProtocolError, match=rf"^payload holds text .*: {where}: a lone surrogate"):
+        protocol.payload_json(raw)
 
 
 @pytest.mark.parametrize(
