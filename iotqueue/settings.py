@@ -229,8 +229,8 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "iotqueue.api_errors.api_exception_handler",
     # drf-spectacular's, documenting every operation's error answers (iotqueue/openapi.py).
     "DEFAULT_SCHEMA_CLASS": "iotqueue.openapi.ErrorDocumentingAutoSchema",
-    # Rate limits (iotqueue/throttling.py), counted in the Redis cache below so that every
-    # web process shares them. Writes: per user, generous (a script starting runs one by one
+    # Rate limits (iotqueue/throttling.py), counted atomically in REDIS_URL's Redis so that
+    # every web process shares them and concurrent requests are all counted. Writes: per user, generous (a script starting runs one by one
     # stays under it; a runaway loop does not). Token: per client address, tight enough to
     # make password guessing slow and loud.
     "DEFAULT_THROTTLE_CLASSES": ["iotqueue.throttling.WriteRateThrottle"],
