@@ -13,8 +13,11 @@ same rows; at low load a batch is the one reply that woke the worker. The stream
 mechanics (wake flag, consumer group, take-over) are iotqueue/workstream.py's; the drain
 loop, its linger and its helper are this module's.
 
-How it fails: an entry is acknowledged only after its batch committed and published. A
-worker that dies (or whose batch raised) leaves the entries it took pending under its
+How it fails: an entry is acknowledged only after its batch committed and published. An
+input the engine cannot apply (a poison reply or run) never takes its batch down: the
+engine applies the batch in halves and drops only what fails alone, recorded
+(jobs/engine/batch.py `inbox_apply`). A worker that dies (or whose batch raised, e.g. with
+the database away) leaves the entries it took pending under its
 consumer name; a retried task takes its own pending entries again first, and the monitor
 re-claims entries pending longer than workstream.RECLAIM_IDLE_SECONDS from consumers that
 are gone. A lost wake-up (its worker died before draining) is covered by the flag's
@@ -173,9 +176,10 @@ def inbox_reclaim(apply: Apply, *, count: int) -> int:
     except Exception:
         log.exception("inbox: re-claimed entries %s failed again; dropping them", ids)
     finally:
-        # Acknowledged even when applying failed again: an entry that fails twice would
-        # otherwise come back forever; its attempts end by their own deadlines and its
-        # runs are found by the monitor's sweep.
+        # Acknowledged even when applying failed again (`apply` raises only what failed the
+        # batch as a whole, e.g. the database away; one input at fault is dropped by it
+        # alone): an entry that fails twice would otherwise come back forever; its attempts
+        # end by their own deadlines and its runs are found by the monitor's sweep.
         with conn.pipeline(transaction=False) as pipe:
             entries_done(ids, pipe)
             pipe.execute()

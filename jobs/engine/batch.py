@@ -52,24 +52,25 @@ from collections.abc import Callable
 from datetime import datetime
 from functools import partial
 
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from devices import protocol
 from devices.locks import Grant, LockBatch
 
 from ..deadlines import Deadline
-from ..events import EventLog
+from ..events import EventLog, event_record
 from ..inbox import Work
-from ..models import JobRun, StepRun
+from ..models import JobRun, RunStatus, StepRun
 from ..rows import Writes, rows_select
 from .attempts import Outcome
-from .batch_locks import BatchLocks
+from .batch_locks import BatchLocks, BatchRetry
 from .batch_publish import BatchPublish, PipeHook
 from .batch_rows import BatchConflict, BatchRows
 from .dispatch import Attempt
 from .reply import step_reply
-from .runs import run_advance
+from .runs import run_advance, run_finish
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,72 @@ def inbox_apply(work: Work, *, finally_: PipeHook | None = None) -> None:
 
     `finally_(pipe)` adds Redis commands to the batch's last pipeline, once everything is
     committed and published (the inbox acknowledges its entries there).
+
+    How it fails: a failure that says nothing about the input (TRANSIENT: the database or
+    Redis unreachable, a lock conflict) is raised, and the task applies the batch again. Any
+    other failure is taken to be one input's doing (a reply or a run the engine cannot
+    apply): the batch is applied in halves, and halves of what fails, until each input that
+    fails alone is found; those are dropped and recorded (`poison_drop`), everyone else's
+    replies and run starts are applied, and `finally_` runs once at the end.
     """
-    replies = [(device, protocol.Reply(**payload)) for device, payload in work.replies]
-    transition_apply(replies=replies, starts=work.starts, finally_=finally_)
+    items = [(device, protocol.Reply(**payload)) for device, payload in work.replies]
+    items += [(None, run_id) for run_id in work.starts]
+    try:
+        _items_apply(items, finally_=finally_)
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        if len(items) == 1:
+            poison_drop(items[0], exc)
+        else:
+            log.warning("a batch of %d inputs failed (%r); applying it in halves", len(items), exc)
+            _items_bisect(items)
+        transition_apply(finally_=finally_)  # nothing left to apply: the inbox's acknowledgement
+
+
+# Failures of the batch as a whole, not of one of its inputs: applied again, whole.
+TRANSIENT = (OperationalError, InterfaceError, RedisError, BatchRetry)
+
+
+def _items_apply(items: list[tuple[str | None, object]], *, finally_: PipeHook | None = None) -> None:
+    replies = [(device, reply) for device, reply in items if device is not None]
+    starts = [run_id for device, run_id in items if device is None]
+    transition_apply(replies=replies, starts=starts, finally_=finally_)
+
+
+def _items_bisect(items: list[tuple[str | None, object]]) -> None:
+    """Apply `items`, known to fail together, half by half down to the inputs failing alone."""
+    half = len(items) // 2
+    for part in (items[:half], items[half:]):
+        try:
+            _items_apply(part)
+        except TRANSIENT:
+            raise
+        except Exception as exc:
+            if len(part) == 1:
+                poison_drop(part[0], exc)
+            else:
+                _items_bisect(part)
+
+
+def poison_drop(item: tuple[str | None, object], exc: Exception) -> None:
+    """An input that fails alone: a reply is dropped (`message.dropped` on its device), a run
+    start fails the run; either way with what went wrong, and logged with the traceback."""
+    device, subject = item
+    what = f"{type(exc).__name__}: {exc}".encode("ascii", "backslashreplace").decode()[:300]
+    log.error("inbox: an input failed alone and is dropped: %r", item, exc_info=exc)
+    if device is not None:
+        reply = subject
+        command = reply.command_id.encode("ascii", "backslashreplace").decode()[:200]
+        event_record(
+            "message.dropped",
+            device=device,
+            message=f"{reply.kind} for command {command} could not be applied ({what}); dropped",
+        )
+        return
+    run = JobRun.objects.filter(pk=subject).first()
+    if run is not None:
+        run_finish(run=run, status=RunStatus.FAILED, error=f"the run could not be started ({what})")
 
 
 def transition_apply(

@@ -19,7 +19,9 @@ import pytest
 from iotqueue.redis_conn import redis_connection, redis_key
 from jobs import inbox
 from jobs.engine import batch
-from jobs.models import RunEvent
+from jobs.models import JobRun, RunEvent, RunStatus
+from jobs.services import run_start
+from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
@@ -86,4 +88,48 @@ def test_entries_read_as_the_time_slice_ends_are_applied_by_that_drain(own_inbox
     assert applied == 2
     assert batches == [["s-1"], ["s-2"]]
     assert unknown_replies() == ["s-1", "s-2"]
+    nothing_left()
+
+
+def test_a_poison_reply_is_dropped_alone_and_the_rest_of_its_batch_applies(own_inbox):
+    """A reply the engine cannot write (an id with a lone surrogate, as a bridge before the
+    text check let through) made the whole batch raise, then be dropped by the monitor with
+    every other device's replies and run starts in it."""
+    # given a pending run (its start waits in the inbox) and, in one entry as the bridge
+    # groups them, a poison reply between two other devices' replies
+    device = DeviceFactory()
+    run, _ = run_start(template=template_with_steps((device, "noop", {})))
+    poison = ["atk-1", {"kind": "done", "command_id": "poison-\ud800", "ok": True}]
+    good = [["dev-inbox-test", {"kind": "done", "command_id": f"c-{n}", "ok": True}] for n in (1, 2)]
+    redis_connection().xadd(redis_key("inbox"), {"r": json.dumps([good[0], poison, good[1]])})
+
+    # when the drain applies them
+    inbox.inbox_drain(batch.inbox_apply, batch_max=64, linger_ms=0, retried=False)
+
+    # then the others were applied: the replies recorded, the run started
+    assert unknown_replies() == ["c-1", "c-2"]
+    run.refresh_from_db()
+    assert run.status == RunStatus.RUNNING
+    # and the poison alone was dropped, recorded on its device with what went wrong
+    dropped = RunEvent.objects.get(kind="message.dropped", device="atk-1")
+    assert "poison-\\ud800 could not be applied" in dropped.message
+    nothing_left()
+
+
+def test_a_run_whose_start_fails_alone_is_failed_and_the_others_start(own_inbox, monkeypatch):
+    # given two pending runs, one of which the engine cannot start
+    device = DeviceFactory()
+    template = template_with_steps((device, "noop", {}))
+    first, _ = run_start(template=template)
+    second, _ = run_start(template=template)
+    JobRun.objects.filter(pk=first.pk).update(plan=[{"kind": "no-such-kind"}])
+
+    # when the drain applies their starts together
+    inbox.inbox_drain(batch.inbox_apply, batch_max=64, linger_ms=0, retried=False)
+
+    # then the one that failed alone is failed, saying why, and the other started
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert first.status == RunStatus.FAILED and "could not be started" in first.error
+    assert second.status == RunStatus.RUNNING
     nothing_left()
