@@ -16,7 +16,7 @@ from redis import RedisError
 from iotqueue.dynsec import DynsecError
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 
-from .credentials import CredentialsUnavailable, device_password_issue
+from .credentials import CredentialsUnavailable, device_password_issue, identity_conflict
 from .locks import LockState, device_lock_state, device_lock_states
 from .models import Device, DeviceGroup
 from .topic_claims import device_topic_collisions
@@ -58,6 +58,19 @@ class DeviceForm(forms.ModelForm):
             "enabled",
             "presence_required",
         ]
+
+    def clean_name(self) -> str:
+        """A new name may not be a broker user or role iotqueue did not create.
+
+        How it fails: DynsecError when the broker cannot be asked (the admin then says so and
+        changes nothing, as for a failed write).
+        """
+        name = self.cleaned_data["name"]
+        if name != self.instance.name:
+            reason = identity_conflict(name)
+            if reason:
+                raise ValidationError(reason, code="identity_foreign")
+        return name
 
     def clean(self) -> dict:
         data = super().clean()

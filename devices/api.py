@@ -21,7 +21,7 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.mqtt import broker_address
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
-from .credentials import CredentialsUnavailable, device_password_issue
+from .credentials import CredentialsUnavailable, IdentityForeign, device_password_issue
 from .labels import device_labels_update
 from .locks import device_lock_state
 from .models import Device, DeviceGroup
@@ -62,6 +62,13 @@ class BrokerUnavailable(APIException):
     default_code = "broker_unavailable"
 
 
+class IdentityTaken(APIException):
+    """409: the device's name is a broker user or role iotqueue did not create (left alone)."""
+
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "identity_foreign"
+
+
 @extend_schema_view(
     list=extend_schema(
         parameters=[
@@ -95,7 +102,10 @@ class DeviceViewSet(viewsets.ModelViewSet):
 
     queryset = Device.objects.prefetch_related("groups")
     # For the schema (iotqueue/openapi.py): what handle_exception below makes of a DynsecError.
-    write_error_responses = {"503": "The MQTT broker could not take the change; nothing changed."}
+    write_error_responses = {
+        "409": "The name is a broker user or role iotqueue did not create; nothing changed.",
+        "503": "The MQTT broker could not take the change; nothing changed.",
+    }
     serializer_class = DeviceSerializer
     lookup_field = "name"
     lookup_value_regex = r"[A-Za-z0-9][A-Za-z0-9._:-]*"
@@ -138,7 +148,9 @@ class DeviceViewSet(viewsets.ModelViewSet):
             return response
 
     def handle_exception(self, exc):
-        if isinstance(exc, DynsecError):  # dispatch() then rolls the transaction back
+        if isinstance(exc, IdentityForeign):  # checked before saving, or found when writing
+            exc = IdentityTaken({"name": [str(exc)]})
+        elif isinstance(exc, DynsecError):  # dispatch() then rolls the transaction back
             exc = BrokerUnavailable(f"the MQTT broker could not be updated, nothing changed: {exc}")
         return super().handle_exception(exc)
 

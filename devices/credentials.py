@@ -8,6 +8,11 @@ plugin (iotqueue/dynsec.py), and the Device row is the source of truth for them:
   subscribing only to P/<name>/cmd/# and P/<name>/jobs/current (and its legacy command topic);
 - saving a device (created, renamed, enabled, disabled, topics changed) rewrites its role
   and enables or disables its user; deleting it removes both;
+- iotqueue marks the users and roles it creates (`dynsec.MANAGED_MARK`) and only ever changes
+  or deletes marked ones: a name held by a user or role it did not create is refused
+  (`identity_conflict` before saving, `IdentityForeign` when writing), and deleting a device
+  never deletes such a user. Identities from before the mark are adopted when recognised
+  (`Identity.legacy`);
 - a new user has no password, so nothing can log in as it until an operator issues one
   (`device_password_issue`: REST, admin or CLI), which is shown once and stored only
   as the broker's hash. Issuing again replaces it: the old password stops working.
@@ -20,12 +25,14 @@ an unreachable broker fails the operation with nothing changed; `identities_sync
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.conf import settings
 from django.db.models.signals import post_delete, post_save, pre_save
+from django.utils.translation import gettext as _
 
-from iotqueue.dynsec import ALREADY, DynsecError, control, password_new
+from iotqueue.dynsec import ALREADY, MANAGED_MARK, DynsecError, control, managed_by_iotqueue, password_new
 from iotqueue.mqtt import broker_address
 
 from . import protocol
@@ -75,36 +82,170 @@ def _username_check(name: str) -> None:
         raise DynsecError(f"{name!r} is the iotqueue service user's name; a device cannot have it")
 
 
+class IdentityForeign(DynsecError):
+    """The broker holds a client or role under a device's name that iotqueue did not create.
+
+    iotqueue leaves it alone: the device cannot be created (or renamed) to that name.
+    """
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A device name's entries on the broker as read now: its client and role, None where absent."""
+
+    name: str
+    client: dict[str, Any] | None
+    role: dict[str, Any] | None
+
+    @property
+    def legacy(self) -> bool:
+        """A client iotqueue created before it marked its own, so adopted (given the mark).
+
+        Recognised by what only iotqueue's device code made: no mark, the text name
+        `device <name>`, exactly the role `iotqueue-device-<name>` and no group. A user an
+        operator made by hand (e.g. one the pre-mark code wrongly gave a device role) has
+        another text name or other roles, and stays foreign.
+        """
+        client = self.client
+        if client is None or managed_by_iotqueue(client):
+            return False
+        roles = [entry.get("rolename") for entry in client.get("roles") or []]
+        return (
+            client.get("textname") == _text_name(self.name)
+            and roles == [role_name(self.name)]
+            and not client.get("groups")
+        )
+
+    @property
+    def client_ours(self) -> bool:
+        return managed_by_iotqueue(self.client) or self.legacy
+
+    @property
+    def role_ours(self) -> bool:
+        """Marked, or unmarked but held by a legacy client being adopted with it."""
+        return managed_by_iotqueue(self.role) or (self.role is not None and self.legacy)
+
+    def foreign_reason(self) -> str | None:
+        """Why iotqueue may not take this name's broker identity, or None when it may."""
+        if self.client is not None and not self.client_ours:
+            return _(
+                "the MQTT broker already has a user named %(name)r that iotqueue did not create; "
+                "iotqueue leaves it alone, so a device cannot have this name"
+            ) % {"name": self.name}
+        if self.role is not None and not self.role_ours:
+            return _(
+                "the MQTT broker already has a role named %(role)r that iotqueue did not create; "
+                "iotqueue leaves it alone, so a device cannot have this name"
+            ) % {"role": role_name(self.name)}
+        return None
+
+
+def _text_name(device_name: str) -> str:
+    return f"device {device_name}"
+
+
+def identity_read(device_name: str) -> Identity:
+    """What the broker holds under `device_name` now; raises DynsecError."""
+    client, role = control.entries_read(username=device_name, rolename=role_name(device_name))
+    return Identity(name=device_name, client=client, role=role)
+
+
+def identity_conflict(device_name: str) -> str | None:
+    """Why a device may not be named `device_name` on this broker, or None.
+
+    The check before saving (REST, admin): the service user's name, or a broker client or
+    role iotqueue did not create. `identity_write` checks again when it writes, for a
+    client created in between.
+    How it fails: DynsecError when the broker cannot be reached.
+    """
+    if not managed():
+        return None
+    if device_name == broker_address().username:
+        return _("iotqueue's own services use this MQTT user name.")
+    return identity_read(device_name).foreign_reason()
+
+
 def identity_write(device: Device) -> None:
-    """Create or rewrite `device`'s role and user (idempotent); raises DynsecError."""
+    """Create or rewrite `device`'s role and user (idempotent), marking both as iotqueue's.
+
+    How it fails: IdentityForeign (nothing changed) when the name belongs to a client or
+    role iotqueue did not create, also one created by someone else between the check and
+    the write; DynsecError when the broker refuses or cannot be reached. The callers run in
+    a transaction, so either undoes the row's change.
+    """
     if not managed():
         return
     _username_check(device.name)
-    role = role_name(device.name)
-    control.execute_checked(
-        [
-            {"command": "deleteRole", "rolename": role},
-            {"command": "createRole", "rolename": role, "acls": device_acls(device)},
-            {"command": "createClient", "username": device.name, "textname": f"device {device.name}"},
-            {"command": "addClientRole", "username": device.name, "rolename": role},
-            {"command": "enableClient" if device.enabled else "disableClient", "username": device.name},
-        ],
-        tolerate=ALREADY,
+    identity = _identity_owned(identity_read(device.name))
+    role, acls = role_name(device.name), device_acls(device)
+    commands: list[dict[str, Any]] = []
+    if identity.client is None:
+        client = {
+            "username": device.name,
+            "textname": _text_name(device.name),
+            "textdescription": MANAGED_MARK,
+        }
+        identity = _created(identity, {"command": "createClient", **client}, client={**client, "roles": []})
+    if identity.role is None:
+        role_entry = {"rolename": role, "textdescription": MANAGED_MARK}
+        identity = _created(identity, {"command": "createRole", **role_entry, "acls": acls}, role=role_entry)
+    else:
+        commands.append(
+            {"command": "modifyRole", "rolename": role, "textdescription": MANAGED_MARK, "acls": acls}
+        )
+    if not managed_by_iotqueue(identity.client):  # adopting a legacy client
+        commands.append({"command": "modifyClient", "username": device.name, "textdescription": MANAGED_MARK})
+    held = [entry.get("rolename") for entry in (identity.client or {}).get("roles") or []]
+    if role not in held:
+        commands.append({"command": "addClientRole", "username": device.name, "rolename": role})
+    commands.append(
+        {"command": "enableClient" if device.enabled else "disableClient", "username": device.name}
     )
+    control.execute_checked(commands)
+
+
+def _identity_owned(identity: Identity) -> Identity:
+    """`identity` when iotqueue may write it; raises IdentityForeign otherwise."""
+    reason = identity.foreign_reason()
+    if reason:
+        raise IdentityForeign(reason)
+    return identity
+
+
+def _created(identity: Identity, command: dict[str, Any], **made: dict[str, Any]) -> Identity:
+    """Run one create command alone, so nothing else is done to an entry someone else made.
+
+    On success the identity now holds `made` (client= or role=). "already exists" means
+    another writer got there between our read and now: read again and go on only when that
+    writer was iotqueue (another process saving the same device).
+    """
+    (response,) = control.execute([command])
+    error = response.get("error")
+    if not error:
+        return replace(identity, **made)
+    if "already exists" not in error.lower():
+        raise DynsecError(f"{command['command']}: {error}")
+    return _identity_owned(identity_read(identity.name))
 
 
 def identity_remove(device_name: str) -> None:
-    """Remove a device's user and role (idempotent); raises DynsecError."""
+    """Remove a device's user and role (idempotent) where they are iotqueue's; raises DynsecError.
+
+    A client iotqueue did not create is left alone (logged), never deleted; its role, when
+    iotqueue's, is deleted, which also takes it away from that client.
+    """
     if not managed():
         return
     _username_check(device_name)
-    control.execute_checked(
-        [
-            {"command": "deleteClient", "username": device_name},
-            {"command": "deleteRole", "rolename": role_name(device_name)},
-        ],
-        tolerate=ALREADY,
-    )
+    identity = identity_read(device_name)
+    commands = []
+    if identity.client is not None and identity.client_ours:
+        commands.append({"command": "deleteClient", "username": device_name})
+    elif identity.client is not None:
+        log.warning("device %s: broker user of that name is not iotqueue's; left alone", device_name)
+    if identity.role is not None and identity.role_ours:
+        commands.append({"command": "deleteRole", "rolename": role_name(device_name)})
+    control.execute_checked(commands, tolerate=ALREADY)
 
 
 def device_password_issue(device: Device) -> str:
@@ -124,28 +265,66 @@ def device_password_issue(device: Device) -> str:
     return password
 
 
-def identities_sync() -> tuple[int, int]:
-    """Rewrite every device's identity and remove those of devices that are gone.
+@dataclass
+class SyncReport:
+    """What `identities_sync` did: identities written and removed, and names left alone."""
 
-    Returns (written, removed).
+    written: int = 0
+    removed: int = 0
+    foreign: list[str] = field(default_factory=list)
+
+
+def identities_sync() -> SyncReport:
+    """Rewrite every device's identity and remove iotqueue's identities of devices that are gone.
+
+    Adopts legacy (pre-mark) identities as it writes them. Clients and roles iotqueue did not
+    create are left alone and reported in `foreign`: a device whose name one holds, and
+    unmarked `iotqueue-device-*` roles of no device.
+    How it fails: DynsecError when the broker refuses or cannot be reached (what was done
+    before stays done; running it again carries on).
     """
+    report = SyncReport()
     if not managed():
-        return 0, 0
+        return report
     devices = list(Device.objects.all())
     for device in devices:
-        identity_write(device)
+        try:
+            identity_write(device)
+        except IdentityForeign as exc:
+            report.foreign.append(f"device {device.name}: {exc}")
+            continue
+        report.written += 1
     names = {device.name for device in devices}
-    response = control.execute([{"command": "listRoles", "count": -1}])[0]
-    if response.get("error"):
-        raise DynsecError(f"listRoles: {response['error']}")
-    orphans = [
+    for name in sorted(_orphan_names(names)):
+        identity = identity_read(name)
+        reason = identity.foreign_reason()
+        if reason:
+            report.foreign.append(f"{role_name(name)} (no device): {reason}")
+        if identity.client_ours or identity.role_ours:
+            identity_remove(name)
+            report.removed += 1
+    return report
+
+
+def _orphan_names(device_names: set[str]) -> set[str]:
+    """Names with an `iotqueue-device-*` role or an iotqueue-marked client but no device row."""
+    roles, clients = control.execute(
+        [{"command": "listRoles", "count": -1}, {"command": "listClients", "verbose": True, "count": -1}]
+    )
+    for response in (roles, clients):
+        if response.get("error"):
+            raise DynsecError(f"{response.get('command')}: {response['error']}")
+    orphans = {
         role[len(ROLE_PREFIX) :]
-        for role in (response.get("data") or {}).get("roles", [])
-        if isinstance(role, str) and role.startswith(ROLE_PREFIX) and role[len(ROLE_PREFIX) :] not in names
-    ]
-    for name in orphans:
-        identity_remove(name)
-    return len(devices), len(orphans)
+        for role in (roles.get("data") or {}).get("roles", [])
+        if isinstance(role, str) and role.startswith(ROLE_PREFIX)
+    }
+    orphans |= {
+        client.get("username")
+        for client in (clients.get("data") or {}).get("clients", [])
+        if isinstance(client, dict) and managed_by_iotqueue(client)
+    }
+    return {name for name in orphans if name and name not in device_names}
 
 
 def _identity_before(sender, instance: Device, **kwargs) -> None:

@@ -2,11 +2,13 @@
 
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.utils.translation import gettext as _
 from rest_framework import serializers
 
 from iotqueue.api import BoundedModelSerializer
 from iotqueue.mqtt import broker_address
 
+from .credentials import IdentityForeign, identity_conflict
 from .models import Device, DeviceGroup, labels_validate
 from .selectors import SELECTOR_MAX_LENGTH, selector_parse
 from .topic_claims import device_topic_collisions
@@ -43,8 +45,18 @@ class DeviceSerializer(BoundedModelSerializer):
         read_only_fields = ["online", "last_seen"]
 
     def validate_name(self, value: str) -> str:
+        """Refuse the service user's name (400) and a foreign broker identity's (409).
+
+        How it fails: IdentityForeign (the view answers 409) when the broker holds a user or
+        role of this name that iotqueue did not create; DynsecError (503) when the broker
+        cannot be asked. Only a new name is checked: a device keeps the identity it has.
+        """
         if settings.IOTQUEUE_MQTT_AUTH == "dynsec" and value == broker_address().username:
-            raise serializers.ValidationError("iotqueue's own services use this MQTT user name.")
+            raise serializers.ValidationError(_("iotqueue's own services use this MQTT user name."))
+        if self.instance is None or self.instance.name != value:
+            reason = identity_conflict(value)
+            if reason:
+                raise IdentityForeign(reason)
         return value
 
     def validate(self, attrs: dict) -> dict:

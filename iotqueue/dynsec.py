@@ -43,6 +43,12 @@ SALT_BYTES = 12
 COMMAND_TIMEOUT_SECONDS = 5.0
 # Errors that mean "already as asked" for the idempotent helpers below.
 ALREADY = ("already exists", "not found")
+# The `textdescription` iotqueue gives every client and role it creates. iotqueue changes or
+# deletes only entries carrying it: a user or role an operator made by hand (an edge consumer,
+# another dynsec-admin) is never rewritten, even when a device is named like it.
+MANAGED_MARK = "managed by iotqueue (do not edit: iotqueue rewrites it)"
+# What the plugin answers for a getClient / getRole of something that does not exist.
+NOT_FOUND = "not found"
 
 
 class DynsecError(RuntimeError):
@@ -125,6 +131,11 @@ def config_write(path: Path, username: str, password: str, *, force: bool = Fals
     return True
 
 
+def managed_by_iotqueue(entry: dict[str, Any] | None) -> bool:
+    """True when a client or role (as getClient / getRole return it) carries iotqueue's mark."""
+    return bool(entry) and entry.get("textdescription") == MANAGED_MARK
+
+
 def password_new() -> str:
     """A fresh random password for a broker identity (shown once, stored only as a hash)."""
     return secrets.token_urlsafe(24)
@@ -200,6 +211,23 @@ class Control(ProcessClient):
             error = response.get("error")
             if error and not any(text in error.lower() for text in tolerate):
                 raise DynsecError(f"{response.get('command')}: {error}")
+
+    def entries_read(self, *, username: str, rolename: str) -> tuple[dict | None, dict | None]:
+        """The plugin's client `username` and role `rolename`, None where absent (one round trip).
+
+        How it fails: DynsecError when the broker cannot be reached or answers with another
+        error than "not found".
+        """
+        client, role = self.execute(
+            [{"command": "getClient", "username": username}, {"command": "getRole", "rolename": rolename}]
+        )
+        found = []
+        for response, key in ((client, "client"), (role, "role")):
+            error = response.get("error")
+            if error and NOT_FOUND not in error.lower():
+                raise DynsecError(f"{response.get('command')}: {error}")
+            found.append(None if error else (response.get("data") or {}).get(key))
+        return found[0], found[1]
 
 
 control = Control()

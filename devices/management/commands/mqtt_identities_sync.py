@@ -1,6 +1,7 @@
 """`manage.py mqtt_identities_sync`: make the broker's device identities match the Device rows."""
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils.translation import gettext as _
 
 from devices.credentials import identities_sync, managed
 from iotqueue.dynsec import DynsecError
@@ -9,14 +10,24 @@ from iotqueue.dynsec import DynsecError
 class Command(BaseCommand):
     help = (
         "Rewrite every device's broker user and role from its row and remove those of deleted "
-        "devices (after restoring the broker's file, or rows changed with update())."
+        "devices (after restoring the broker's file, or rows changed with update()). Users and "
+        "roles iotqueue did not create are reported and left alone; those from before iotqueue "
+        "marked its own are adopted."
     )
 
     def handle(self, *args, **options):
         if not managed():
             raise CommandError("IOTQUEUE_MQTT_AUTH=none: iotqueue does not manage this broker's identities")
         try:
-            written, removed = identities_sync()
+            report = identities_sync()
         except DynsecError as exc:
             raise CommandError(str(exc)) from exc
-        self.stdout.write(f"{written} device identities written, {removed} removed")
+        for line in report.foreign:
+            self.stderr.write(_("left alone, not iotqueue's: %(entry)s") % {"entry": line})
+        self.stdout.write(
+            _(
+                "%(written)d device identities written, %(removed)d removed, "
+                "%(foreign)d not iotqueue's left alone"
+            )
+            % {"written": report.written, "removed": report.removed, "foreign": len(report.foreign)}
+        )
