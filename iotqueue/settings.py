@@ -275,6 +275,10 @@ IOTQUEUE_FANOUT_MAX_DEVICES = env.int("IOTQUEUE_FANOUT_MAX_DEVICES", default=10_
 # A run's parameters as compact JSON: stored on the run and rendered into every step's args;
 # like a device reply (IOTQUEUE_MAX_PAYLOAD_BYTES), values, not documents.
 IOTQUEUE_RUN_PARAMETERS_MAX_BYTES = env.int("IOTQUEUE_RUN_PARAMETERS_MAX_BYTES", default=64 * 1024)
+# The most a rendered step's args may take as JSON (a command's body, and what its row and
+# the run's API answer carry). {{ references }} repeat values: 500 references to a 60 KB
+# parameter rendered 30 MB. 256 KB is four times the largest device message we accept.
+IOTQUEUE_COMMAND_MAX_BYTES = env.int("IOTQUEUE_COMMAND_MAX_BYTES", default=256 * 1024)
 
 # --- Redis: Celery broker and device locks -------------------------------------------
 REDIS_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")

@@ -47,20 +47,73 @@ def _lookup(path: str, context: dict[str, Any]) -> Any:
     return node
 
 
-def render(value: Any, context: dict[str, Any]) -> Any:
-    """A copy of `value` with every reference replaced from `context`."""
+def render(
+    value: Any,
+    context: dict[str, Any],
+    *,
+    limit: int | None = None,
+    setting: str = "IOTQUEUE_COMMAND_MAX_BYTES",
+) -> Any:
+    """A copy of `value` with every reference replaced from `context`.
+
+    With `limit`, the result may take at most that many bytes as compact JSON: rendering
+    stops (TemplateError) as soon as the values it produced exceed it, before a copy larger
+    than the limit is built — references repeat values, so a small template can expand a
+    large parameter many times over. The error names `setting`, where the limit comes from.
+    """
+    budget = _Budget(limit, setting)
+    rendered = _render(value, context, budget)
+    if limit is not None:
+        size = json_size(rendered)
+        if size > limit:
+            raise budget.exceeded(size)
+    return rendered
+
+
+def json_size(value: Any) -> int:
+    """The bytes `value` takes as compact UTF-8 JSON (what a command's body carries)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+class _Budget:
+    """Bytes left for a render's output (a lower bound of its size: strings and values)."""
+
+    def __init__(self, limit: int | None, setting: str) -> None:
+        self.limit, self.setting = limit, setting
+        self.used = 0
+
+    def spend(self, size: int) -> None:
+        if self.limit is None:
+            return
+        self.used += size
+        if self.used > self.limit:
+            raise self.exceeded(self.used)
+
+    def exceeded(self, size: int) -> TemplateError:
+        return TemplateError(
+            f"rendered, it takes more than {self.limit} bytes (at least {size}; {self.setting}): "
+            "use fewer or smaller references"
+        )
+
+
+def _render(value: Any, context: dict[str, Any], budget: _Budget) -> Any:
     if isinstance(value, str):
         whole = REFERENCE_RE.fullmatch(value.strip())
         if whole:
-            return _lookup(whole.group(1), context)
+            found = _lookup(whole.group(1), context)
+            budget.spend(len(found) if isinstance(found, str) else json_size(found))
+            return found
 
         def text(match: re.Match) -> str:
             found = _lookup(match.group(1), context)
-            return found if isinstance(found, str) else json.dumps(found)
+            formatted = found if isinstance(found, str) else json.dumps(found)
+            budget.spend(len(formatted))
+            return formatted
 
+        budget.spend(len(REFERENCE_RE.sub("", value)))
         return REFERENCE_RE.sub(text, value)
     if isinstance(value, dict):
-        return {key: render(item, context) for key, item in value.items()}
+        return {key: _render(item, context, budget) for key, item in value.items()}
     if isinstance(value, list):
-        return [render(item, context) for item in value]
+        return [_render(item, context, budget) for item in value]
     return value

@@ -72,6 +72,12 @@ def step_errors(step) -> dict[str, str]:
         if not isinstance(value, dict):
             errors[field] = "Must be a JSON object."
             continue
+        size, limit = templating.json_size(value), settings.IOTQUEUE_COMMAND_MAX_BYTES
+        if size > limit:
+            # The args as written, references included: no run could send them. A render
+            # that grows past the limit is caught when a run renders it (jobs/engine/plan.py).
+            errors[field] = f"Takes {size} bytes as JSON, more than {limit} (IOTQUEUE_COMMAND_MAX_BYTES)."
+            continue
         try:
             for ref in templating.references(value):
                 if ref.split(".")[0] not in REFERENCE_ROOTS:

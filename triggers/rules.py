@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from django.conf import settings
 from django.db import transaction
 
 from devices import protocol
@@ -90,7 +91,12 @@ def trigger_rule_fire(*, rule: TriggerRule, topic: str, message: dict[str, Any])
     """Start the rule's run with parameters from the message; None when it was dropped."""
     context = {"topic": topic.split("/"), "message": message}
     try:
-        parameters = render(rule.parameters, context)
+        parameters = render(
+            rule.parameters,
+            context,
+            limit=settings.IOTQUEUE_RUN_PARAMETERS_MAX_BYTES,
+            setting="IOTQUEUE_RUN_PARAMETERS_MAX_BYTES",
+        )
         key = _idempotency_key(rule, context) if rule.idempotency_key else None
         with transaction.atomic():
             return _rule_run_start(rule, topic, parameters, key)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from django.conf import settings
+
 from devices.locks import holder_name
 from devices.models import Device
 from devices.selectors import labels_requirements, selector_filter, selector_parse
@@ -120,11 +122,19 @@ def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
 def step_args(run: JobRun, args: dict[str, Any], device: Device | None) -> dict[str, Any]:
     """Args with their references resolved; no context is read when there are none.
 
-    Raises templating.TemplateError when a reference has no value.
+    Raises templating.TemplateError when a reference has no value, or when the args take
+    more than IOTQUEUE_COMMAND_MAX_BYTES as JSON (checked while rendering, before any row
+    holds them: the step is refused and its run fails at once, saying so).
     """
+    limit = settings.IOTQUEUE_COMMAND_MAX_BYTES
     if not templating.references(args):
+        size = templating.json_size(args)
+        if size > limit:
+            raise templating.TemplateError(
+                f"the args take {size} bytes, more than {limit} (IOTQUEUE_COMMAND_MAX_BYTES)"
+            )
         return args
-    return templating.render(args, step_context(run, device))
+    return templating.render(args, step_context(run, device), limit=limit)
 
 
 def step_target_name(run: JobRun, spec: dict[str, Any]) -> tuple[str | None, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import tracemalloc
 
 import pytest
 
@@ -96,3 +97,33 @@ def test_render_returns_a_copy_and_leaves_its_input_alone():
     # then the result is new and the template's args are untouched (a run never edits its plan)
     assert rendered == {"outer": {"inner": ["stable"]}}
     assert args == before
+
+
+def test_a_render_past_its_limit_stops_before_building_the_copy():
+    # given 500 references to a 60 KB parameter: 30 MB if rendered in full
+    big = "x" * 60_000
+    args = {"blob": " ".join(["{{ params.big }}"] * 500), "again": ["{{ params.big }}"] * 500}
+    tracemalloc.start()
+    try:
+        # when it is rendered under a 256 KB limit
+        with pytest.raises(TemplateError, match="more than 262144 bytes"):
+            render(args, {"params": {"big": big}}, limit=256 * 1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # then it stopped near the limit, never near the full 30 MB
+    assert peak < 3 * 1024 * 1024
+
+
+def test_a_render_within_its_limit_is_the_full_render():
+    args = {"a": "{{ params.n }}", "b": "level {{ params.n }}", "c": ["{{ params.s }}"]}
+    context = {"params": {"n": 5, "s": "é" * 10}}
+    assert (
+        render(args, context, limit=100) == render(args, context) == {"a": 5, "b": "level 5", "c": ["é" * 10]}
+    )
+
+
+def test_the_limit_counts_the_bytes_of_the_json_result():
+    # 10 two-byte characters are 20 bytes as UTF-8, plus the JSON around them
+    with pytest.raises(TemplateError, match="IOTQUEUE_COMMAND_MAX_BYTES"):
+        render({"a": "{{ params.s }}"}, {"params": {"s": "é" * 10}}, limit=20)
