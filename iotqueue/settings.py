@@ -391,6 +391,14 @@ MQTT_SHARED_GROUP = env("MQTT_SHARED_GROUP", default="")
 # Replies larger than this are dropped unread: no device reply needs more, and the bridge
 # must not be made to parse megabytes.
 IOTQUEUE_MAX_PAYLOAD_BYTES = env.int("IOTQUEUE_MAX_PAYLOAD_BYTES", default=64 * 1024)
+# Each device's message budget at the bridge (iotqueue/budget.py): a token bucket of this
+# many messages a second, holding up to the burst. Over it, a message is dropped unread and
+# counted, so one device's flood cannot crowd out the others' replies. 200/s is ~65 commands
+# a second each with ack, progress and done: above the engine's one-device hand-off rate
+# (a command at a time, a few ms each) and far above real firmware; the burst lets a device
+# that reconnects flush its queued QoS 1 replies and heartbeats at once. Per bridge replica.
+IOTQUEUE_DEVICE_MESSAGE_RATE = env.float("IOTQUEUE_DEVICE_MESSAGE_RATE", default=200.0)
+IOTQUEUE_DEVICE_MESSAGE_BURST = env.int("IOTQUEUE_DEVICE_MESSAGE_BURST", default=600)
 
 # --- Run events out (webhooks/) -----------------------------------------------------------
 # Run lifecycle events on P/events/runs/<run id> (QoS 1) for consumers without HTTP.

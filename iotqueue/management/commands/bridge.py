@@ -1,4 +1,4 @@
-"""`manage.py bridge`: run the MQTT bridge until SIGINT/SIGTERM."""
+"""`manage.py bridge`: run the MQTT bridge until SIGINT/SIGTERM (or, non-zero, until it cannot serve)."""
 
 import logging
 import signal
@@ -26,3 +26,6 @@ class Command(BaseCommand):
         startup_objects_freeze("bridge")
         bridge.run()
         log.info("bridge: stopped (%s)", dict(bridge.stats))
+        if bridge.exit_code:
+            # Its MQTT network thread died: a non-zero status makes the supervisor restart it.
+            raise SystemExit(bridge.exit_code)

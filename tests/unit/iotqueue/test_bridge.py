@@ -71,24 +71,24 @@ def test_registering_a_handler_twice_routes_once():
     assert bridge._handlers == [("P/+/done", REPLIES)]
 
 
-def test_an_exact_dynamic_topic_is_looked_up_before_any_filter():
-    # given a static filter and a legacy device whose fixed reply topic it also matches
-    bridge.handler_register("dev/#", RULE)
-
+def test_an_exact_dynamic_topic_is_looked_up_before_any_dynamic_filter():
+    # given a rule's filter and a legacy device whose fixed reply topic it also matches
     # when routed, then the legacy device's own handler takes its topic
-    subject = refreshed(lambda: {"dev/face/123/Ack": LEGACY})
+    subject = refreshed(lambda: {"dev/#": RULE}, lambda: {"dev/face/123/Ack": LEGACY})
     assert subject._handler_for("dev/face/123/Ack") is LEGACY
     assert subject._handler_for("dev/face/124/Ack") is RULE
 
 
 def test_dynamic_filters_come_after_the_static_handlers():
-    # given a trigger rule listening to everything under P, and the device replies
+    # given the device replies, a rule listening to everything under P and one on a sensor
     bridge.handler_register("P/+/done", REPLIES)
 
-    # then a rule never takes a device's replies, only what nothing static handles
-    subject = refreshed(lambda: {"P/#": RULE})
+    # then a rule never takes a device's replies: one that would is not listened to at all
+    subject = refreshed(lambda: {"P/#": RULE, "site/+/opened": RULE})
     assert subject._handler_for("P/lamp-2/done") is REPLIES
-    assert subject._handler_for("P/door/7/opened") is RULE
+    assert subject._handler_for("P/door/7/opened") is None
+    assert subject._handler_for("site/7/opened") is RULE
+    assert "P/#" in subject.refused
 
 
 def test_a_refresh_routes_added_topics_and_forgets_removed_ones():
