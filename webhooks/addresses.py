@@ -55,6 +55,10 @@ class AddressRefused(ValueError):
     """A webhook URL whose host is not a place deliveries may go; the message says why."""
 
 
+class HostUnresolved(AddressRefused):
+    """A webhook URL whose host does not resolve (now): a later attempt may do better."""
+
+
 @dataclass(frozen=True)
 class Target:
     """Where one attempt connects: the URL's parts and the checked address to connect to."""
@@ -179,7 +183,7 @@ def _resolve(host: str, port: int) -> list[IPAddress]:
 def url_check(url: str) -> None:
     """The save-time check: raises AddressRefused when the URL's host is a refused name, a
     refused address, or resolves to one. A host that does not resolve (yet) passes."""
-    _parts_, host, port = _parts(url)
+    _, host, port = _parts(url)
     refusal = _name_refusal(host)
     if refusal:
         raise AddressRefused(refusal)
@@ -198,7 +202,8 @@ def target_resolve(url: str) -> Target:
     """The delivery-time check: resolve the host now, refuse it if any address it resolves to
     is refused, and return the first address to connect to (pinned: no second lookup).
 
-    How it fails: AddressRefused for a refused name or address, or a host that does not resolve."""
+    How it fails: AddressRefused for a refused name or address; HostUnresolved (a kind of
+    AddressRefused) for a host that does not resolve."""
     parts, host, port = _parts(url)
     refusal = _name_refusal(host)
     if refusal:
@@ -207,9 +212,10 @@ def target_resolve(url: str) -> Target:
     try:
         addresses = [literal] if literal is not None else _resolve(host, port)
     except (OSError, UnicodeError) as exc:
-        raise AddressRefused(_("%(host)s does not resolve: %(error)s") % {"host": host, "error": exc}) from exc
+        message = _("%(host)s does not resolve: %(error)s") % {"host": host, "error": exc}
+        raise HostUnresolved(message) from exc
     if not addresses:
-        raise AddressRefused(_("%(host)s does not resolve") % {"host": host})
+        raise HostUnresolved(_("%(host)s does not resolve") % {"host": host})
     for address in addresses:
         refusal = address_refusal(address)
         if refusal:

@@ -2,18 +2,21 @@
 
 Attempts are numbered; a task names the attempt it makes and a row that is no longer at
 that attempt (a redelivered task) is left alone, so an attempt is made at most once unless
-a worker dies during the POST (receivers deduplicate on X-Iotqueue-Delivery). After
-IOTQUEUE_WEBHOOK_DISABLE_AFTER deliveries in a row fail for good the webhook is disabled
-and a `webhook.disabled` event (without a run) goes on the timeline.
+a worker dies during the POST (receivers deduplicate on webhook-id). Each attempt resolves
+the URL's host, refuses it unless every address is allowed (webhooks/addresses.py) and
+connects to the address it checked. After IOTQUEUE_WEBHOOK_DISABLE_AFTER deliveries in a
+row fail for good the webhook is disabled and a `webhook.disabled` event (without a run)
+goes on the timeline.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -22,7 +25,7 @@ from django.db.models import F
 
 from jobs.events import event_record
 
-from . import signing
+from . import addresses, signing
 from .models import Delivery, DeliveryState, Webhook
 
 log = logging.getLogger(__name__)
@@ -32,14 +35,29 @@ ERROR_MAX_CHARS = 500
 RESPONSE_READ_BYTES = 4096
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is an answer, not a new address: the webhook's URL is the one configured."""
+class _PinnedHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection to the address that was checked, not to a second lookup of the
+    host (which could answer differently: DNS rebinding). The Host header is the URL's."""
 
-    def redirect_request(self, *args, **kwargs):
-        return None
+    def __init__(self, target: addresses.Target, timeout: float) -> None:
+        super().__init__(target.host, target.port, timeout=timeout)
+        self.target = target
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.target.address, self.port), self.timeout)
 
 
-_opener = urllib.request.build_opener(_NoRedirect)
+class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to the checked address; the certificate is verified for the URL's host name."""
+
+    def __init__(self, target: addresses.Target, timeout: float) -> None:
+        self.tls = ssl.create_default_context()
+        super().__init__(target.host, target.port, timeout=timeout, context=self.tls)
+        self.target = target
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.target.address, self.port), self.timeout)
+        self.sock = self.tls.wrap_socket(sock, server_hostname=self.target.host)
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,8 @@ class Answer:
     status_code: int | None
     latency_ms: int
     error: str
+    # No later attempt can do better (a refused address): the delivery fails now.
+    final: bool = False
 
     @property
     def ok(self) -> bool:
@@ -64,38 +84,48 @@ def request_body(payload: dict) -> bytes:
 
 
 def webhook_post(webhook: Webhook, delivery: Delivery) -> Answer:
-    """POST the delivery's payload, signed now; never raises for the receiver's failures."""
-    if not webhook.url.lower().startswith(("http://", "https://")):
-        # Refused at save; checked again since urllib would also open file: and ftp: URLs.
-        return Answer(None, 0, "not an http(s) URL")
+    """POST the delivery's payload, signed now, to the address its host resolves to now;
+    never raises for the receiver's failures.
+
+    How it fails: a host that is (or resolves to) a refused address, or does not resolve,
+    is an error with no request made ("refused: ..."); an empty secret (set by hand in the
+    database) is an error too; redirects are not followed (a 3xx is a failure).
+    """
+    try:
+        target = addresses.target_resolve(webhook.url)
+    except addresses.HostUnresolved as exc:
+        return Answer(None, 0, f"no request made: {exc}"[:ERROR_MAX_CHARS])
+    except addresses.AddressRefused as exc:
+        return Answer(None, 0, f"refused, no request made: {exc}"[:ERROR_MAX_CHARS], final=True)
     body = request_body(delivery.payload)
-    timestamp = str(int(time.time()))
-    request = urllib.request.Request(
-        webhook.url,
-        data=body,
-        method="POST",
-        headers={
-            "Content-Type": "application/json",
-            "User-Agent": "iotqueue-webhooks",
-            signing.EVENT_HEADER: delivery.kind,
-            signing.DELIVERY_HEADER: str(delivery.pk),
-            signing.TIMESTAMP_HEADER: timestamp,
-            signing.SIGNATURE_HEADER: signing.signature(webhook.secret, timestamp, body),
-        },
-    )
+    try:
+        signed = signing.headers_sign(webhook.secret, delivery_id=delivery.pk, body=body)
+    except signing.SecretInvalid as exc:
+        error = f"no request made: the webhook's secret is unusable ({exc}); rotate it"
+        return Answer(None, 0, error, final=True)
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "iotqueue-webhooks",
+        signing.EVENT_HEADER: delivery.kind,
+        signing.DELIVERY_HEADER: str(delivery.pk),
+        **signed,
+    }
+    connection_class = _PinnedHTTPSConnection if target.scheme == "https" else _PinnedHTTPConnection
+    connection = connection_class(target, settings.IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS)
     started = time.monotonic()
     status, error = None, ""
     try:
-        with _opener.open(request, timeout=settings.IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS) as response:
-            status = response.status
-            response.read(RESPONSE_READ_BYTES)
-    except urllib.error.HTTPError as exc:
-        status, error = exc.code, f"HTTP {exc.code} {exc.reason}"
-    except (OSError, ValueError) as exc:  # URLError, timeouts, refused connections
+        connection.request("POST", target.path, body=body, headers=headers)
+        response = connection.getresponse()
+        status = response.status
+        response.read(RESPONSE_READ_BYTES)
+        if not 200 <= status < 300:
+            error = f"HTTP {status} {response.reason}".strip()
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # timeouts, refused, TLS
         error = f"{type(exc).__name__}: {exc}"
+    finally:
+        connection.close()
     latency_ms = int((time.monotonic() - started) * 1000)
-    if status is not None and not 200 <= status < 300 and not error:
-        error = f"HTTP {status}"
     return Answer(status, latency_ms, error[:ERROR_MAX_CHARS])
 
 
@@ -112,7 +142,7 @@ def delivery_attempt(*, delivery_id: int, attempt: int) -> float | None:
         current.update(state=DeliveryState.FAILED, last_error="webhook disabled")
         return None
     answer = webhook_post(webhook, delivery)
-    last = attempt >= settings.IOTQUEUE_WEBHOOK_MAX_ATTEMPTS
+    last = answer.final or attempt >= settings.IOTQUEUE_WEBHOOK_MAX_ATTEMPTS
     state = DeliveryState.DELIVERED if answer.ok else DeliveryState.FAILED if last else DeliveryState.PENDING
     with transaction.atomic():
         if not current.update(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import secrets
-
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import models
+from django.utils.translation import gettext_lazy as _
 
 from jobs.models import JobTemplate
+
+from . import signing
 
 # The kinds a webhook may subscribe to: jobs.events.LIFECYCLE_KINDS, with their labels.
 EVENT_KINDS = {
@@ -29,8 +30,8 @@ http_url_validator = URLValidator(schemes=["http", "https"], message="Enter an h
 
 
 def secret_generate() -> str:
-    """A new webhook secret: 32 random bytes, URL-safe text."""
-    return secrets.token_urlsafe(32)
+    """A new webhook secret: `whsec_` + base64 of 32 random bytes (webhooks/signing.py)."""
+    return signing.secret_generate()
 
 
 def events_validate(value: object) -> None:
@@ -63,8 +64,12 @@ class Webhook(models.Model):
         related_name="webhooks",
         help_text="only runs of this template (empty: every run)",
     )
+    # Write-only: never shown back (admin and API say "set" and rotate it, showing the new
+    # one once); stored as whsec_<base64 of the key> (webhooks/signing.py).
     secret = models.CharField(
-        max_length=200, default=secret_generate, help_text="HMAC-SHA256 key of the signature header"
+        max_length=300,
+        default=secret_generate,
+        help_text=_("whsec_<base64>: the HMAC-SHA256 key of the signatures"),
     )
     enabled = models.BooleanField(default=True)
     consecutive_failures = models.PositiveIntegerField(default=0, editable=False)
@@ -83,6 +88,10 @@ class Webhook(models.Model):
         if self.enabled:
             self.consecutive_failures, self.disabled_reason = 0, ""
         super().save(*args, **kwargs)
+
+    @property
+    def secret_is_set(self) -> bool:
+        return bool(self.secret)
 
 
 class DeliveryState(models.TextChoices):

@@ -3,8 +3,6 @@ and the lifecycle events on MQTT (worker, bridge, broker and simulated devices).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
 import json
 import threading
@@ -12,6 +10,8 @@ import time
 
 import pytest
 from django.conf import settings
+from standardwebhooks import Webhook as StandardWebhook
+from standardwebhooks import WebhookVerificationError
 
 from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, RunStatus
@@ -19,22 +19,43 @@ from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
+from webhooks import signing
 from webhooks.models import Delivery, DeliveryState, Webhook
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(90)]
 
-SECRET = "a-test-secret-of-some-length"
+SECRET = signing.secret_generate()
+
+
+class DocumentedReceiver:
+    """What docs/orchestration.md tells a receiver to do: verify with the standardwebhooks
+    package (signature over id, timestamp and body; timestamp within five minutes either
+    way), then drop a webhook-id already handled."""
+
+    KEEP_SECONDS = 600
+
+    def __init__(self, secret: str) -> None:
+        self.webhook = StandardWebhook(secret)
+        self.seen: dict[str, float] = {}
+
+    def accept(self, headers: dict[str, str], body: bytes) -> dict | None:
+        """The event, or None for a repeat; raises WebhookVerificationError for a forgery,
+        a stale or a future delivery."""
+        event = self.webhook.verify(body, headers)
+        now = time.time()
+        self.seen = {msg_id: at for msg_id, at in self.seen.items() if now - at <= self.KEEP_SECONDS}
+        msg_id = {name.lower(): value for name, value in headers.items()}["webhook-id"]
+        if msg_id in self.seen:
+            return None
+        self.seen[msg_id] = now
+        return event
 
 
 def verified(secret: str, headers: dict[str, str], body: bytes) -> dict:
-    """What docs/orchestration.md tells a receiver to do, step by step."""
-    timestamp = headers["X-Iotqueue-Timestamp"]
-    assert abs(time.time() - int(timestamp)) <= 300, "a stale (replayed) delivery"
-    expected = (
-        "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    )
-    assert hmac.compare_digest(expected, headers["X-Iotqueue-Signature"]), "a forged delivery"
-    return json.loads(body)
+    try:
+        return StandardWebhook(secret).verify(body, headers)
+    except WebhookVerificationError as exc:
+        raise AssertionError(f"a forged delivery: {exc}") from exc
 
 
 def run_ended(run: JobRun) -> JobRun | None:
@@ -91,6 +112,34 @@ def test_a_receiver_gets_signed_deliveries_for_a_run_that_succeeds_and_one_that_
     first = receiver.requests[0]
     with pytest.raises(AssertionError, match="forged"):
         verified(SECRET, first.headers, first.body.replace(b"run", b"nur", 1))
+
+
+def test_a_recorded_delivery_cannot_be_replayed_nor_passed_off_under_another_id(stack, simulator, receiver):
+    # given a delivery the worker made to a receiver that does what the docs say
+    device = DeviceFactory()
+    simulator({device.name: DeviceBehaviour()})
+    template = template_with_steps((device, "a", {}))
+    Webhook.objects.create(name="ops", url=receiver.url, events=["run.succeeded"], secret=SECRET)
+    run, _ = run_start(template=template)
+    wait_for(lambda: run_ended(run), what="the run")
+    wait_for(lambda: receiver.requests, what="the delivery")
+    documented = DocumentedReceiver(SECRET)
+    recorded = receiver.requests[0]
+    assert documented.accept(recorded.headers, recorded.body)["run"] == str(run.pk)
+    # when an attacker sends it again: a repeat, dropped
+    assert documented.accept(recorded.headers, recorded.body) is None
+    # under a rewritten id (the old X-Iotqueue-Delivery could be rewritten): forged
+    with pytest.raises(WebhookVerificationError):
+        documented.accept({**recorded.headers, "webhook-id": "msg_999999"}, recorded.body)
+    # with a timestamp moved into the future or the past: forged
+    for moved in (int(time.time()) + 290, int(time.time()) - 290):
+        with pytest.raises(WebhookVerificationError):
+            documented.accept({**recorded.headers, "webhook-timestamp": str(moved)}, recorded.body)
+    # and a genuine delivery signed more than five minutes off, either way, is refused too
+    for offset in (-301, 301):
+        genuine = signing.headers_sign(SECRET, delivery_id=1, body=recorded.body, now=time.time() + offset)
+        with pytest.raises(WebhookVerificationError, match=r"too (old|new)"):
+            documented.accept(genuine, recorded.body)
 
 
 def test_a_failing_receiver_is_retried_with_backoff_then_disabled(stack, simulator, receiver):
