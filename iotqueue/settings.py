@@ -185,6 +185,14 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
 AXES_COOLOFF_TIME = timedelta(minutes=env.float("AXES_COOLOFF_MINUTES", default=15.0))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# And one address is locked out after this many failed logins of any usernames within the
+# cool-off (iotqueue/throttling.py): trying a few passwords on many usernames (password
+# spraying) stops there, while a shared proxy's address still allows many people a typo.
+IOTQUEUE_LOGIN_ADDRESS_FAILURE_LIMIT = env.int("IOTQUEUE_LOGIN_ADDRESS_FAILURE_LIMIT", default=10)
+AXES_HANDLER = "iotqueue.throttling.AddressLimitedLockoutHandler"
+# A login refused by a lockout is answered as one (429) and not counted again: the lockout
+# ends a cool-off after it began, however often the locked-out client keeps trying.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_RESET_ON_SUCCESS = True
 AXES_HTTP_RESPONSE_CODE = 429
 # The client address as the API throttles see it (REST_FRAMEWORK's NUM_PROXIES).
@@ -230,9 +238,9 @@ REST_FRAMEWORK = {
     # drf-spectacular's, documenting every operation's error answers (iotqueue/openapi.py).
     "DEFAULT_SCHEMA_CLASS": "iotqueue.openapi.ErrorDocumentingAutoSchema",
     # Rate limits (iotqueue/throttling.py), counted atomically in REDIS_URL's Redis so that
-    # every web process shares them and concurrent requests are all counted. Writes: per user, generous (a script starting runs one by one
-    # stays under it; a runaway loop does not). Token: per client address, tight enough to
-    # make password guessing slow and loud.
+    # every web process shares them and concurrent requests are all counted. Writes: per
+    # user, generous (a script starting runs one by one stays under it; a runaway loop does
+    # not). Token: per client address, tight enough to make password guessing slow and loud.
     "DEFAULT_THROTTLE_CLASSES": ["iotqueue.throttling.WriteRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {
         "write": env("IOTQUEUE_API_WRITE_RATE", default="1200/min"),

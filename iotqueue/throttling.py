@@ -1,5 +1,5 @@
 """API rate limits (DRF throttles), counted atomically in Redis so that every web process and
-replica shares one exact count.
+replica shares one exact count; and the login lockout's per-address limit.
 
 Scopes and their rates are settings (REST_FRAMEWORK's DEFAULT_THROTTLE_RATES): "write" for
 POST, PUT, PATCH and DELETE anywhere in the API, per user; "token" for the token endpoint,
@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import functools
 
+from axes.handlers.database import AxesDatabaseHandler
+from axes.models import AccessAttempt
+from django.conf import settings
+from django.db.models import Sum
 from django.http import HttpRequest
+from django.utils import timezone
 from redis.commands.core import Script
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.throttling import BaseThrottle, SimpleRateThrottle
@@ -99,3 +104,28 @@ def client_address(request: HttpRequest) -> str:
     """The client's address as the throttles see it (REMOTE_ADDR, or X-Forwarded-For behind
     NUM_PROXIES trusted proxies); the admin's login lockout uses the same."""
     return BaseThrottle().get_ident(request)
+
+
+class AddressLimitedLockoutHandler(AxesDatabaseHandler):
+    """django-axes' database handler (AXES_HANDLER), also locking a client address out after
+    IOTQUEUE_LOGIN_ADDRESS_FAILURE_LIMIT failed logins of any usernames within the cool-off.
+
+    axes counts one limit over its lockout parameters (AXES_LOCKOUT_PARAMETERS), so a
+    username-and-address lockout lets one address try a few passwords on every username
+    (password spraying), and adding the address alone would lock that address at the same
+    low limit. Here the address has its own, higher limit, counted from the attempts axes
+    records: the lockout is axes' own (429, its message, its log), and `axes_reset_ip`
+    lifts it. Addresses on axes' allow list are never locked (axes checks that first).
+    """
+
+    def is_locked(self, request, credentials: dict | None = None) -> bool:
+        if super().is_locked(request, credentials):
+            return True
+        return login_address_failures(request) >= settings.IOTQUEUE_LOGIN_ADDRESS_FAILURE_LIMIT
+
+
+def login_address_failures(request: HttpRequest) -> int:
+    """Failed logins from the request's client address, any username, within the cool-off."""
+    since = timezone.now() - settings.AXES_COOLOFF_TIME
+    attempts = AccessAttempt.objects.filter(ip_address=client_address(request), attempt_time__gte=since)
+    return attempts.aggregate(failures=Sum("failures_since_start"))["failures"] or 0
