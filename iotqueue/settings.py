@@ -16,9 +16,10 @@ from django.core.checks.security import base as security_checks
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-# Runtime files of the dev stack (SQLite database, server logs); never committed.
+# Runtime files of the dev stack (SQLite database, server logs); never committed. Created
+# for its owner only: the database in it holds secrets (its file is 600 too).
 VAR_DIR = BASE_DIR / "var"
-VAR_DIR.mkdir(exist_ok=True)
+VAR_DIR.mkdir(mode=0o700, exist_ok=True)
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)

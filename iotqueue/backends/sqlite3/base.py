@@ -15,12 +15,18 @@ transaction changed nothing, so trying it again is safe. Inside a transaction (b
 IMMEDIATE: the write lock is held) no statement waits for the lock. `executemany` outside a
 transaction commits row by row, so it is not tried again: it waits with SQLite's own busy
 handler, as before.
+
+The database file is its owner's only (mode 600): it holds API tokens and webhook secrets.
+It is created so before SQLite opens it (SQLite gives its WAL and shared-memory files the
+database file's mode), and a file an earlier release created readable by all is narrowed.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
+from pathlib import Path
 
 from django.db.backends.sqlite3 import base
 
@@ -28,6 +34,10 @@ from django.db.backends.sqlite3 import base
 POLL_SECONDS = 0.0005
 # The `timeout` option's default in Python's sqlite3 (seconds).
 TIMEOUT_DEFAULT = 5.0
+# Read and write for the owner only: the database holds secrets.
+FILE_MODE = 0o600
+# Files SQLite keeps beside the database, with its contents.
+SIDE_FILE_SUFFIXES = ("-wal", "-shm", "-journal")
 
 
 def is_locked(exc: sqlite3.OperationalError) -> bool:
@@ -67,6 +77,28 @@ class PollingCursor(base.SQLiteCursorWrapper):
             busy_timeout_set(self.connection, 0)
 
 
+def database_file_protect(name: str) -> None:
+    """Create the database file `name` with FILE_MODE if it does not exist, and take group and
+    other permissions off it and the files beside it where they have them.
+
+    How it fails: quietly, for an in-memory or URI database (nothing to protect or no plain
+    path) and for a file it may not create or change: SQLite then opens it, or reports why not.
+    """
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return
+    path = Path(name)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE))
+    except OSError:  # it exists, or SQLite will say why it cannot be created
+        pass
+    for file in (path, *(path.with_name(path.name + suffix) for suffix in SIDE_FILE_SUFFIXES)):
+        try:
+            if file.stat().st_mode & 0o077:
+                file.chmod(FILE_MODE)
+        except OSError:  # absent, or not ours to change
+            continue
+
+
 def busy_timeout_set(connection: sqlite3.Connection, seconds: float) -> None:
     connection.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
@@ -80,6 +112,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         return params
 
     def get_new_connection(self, conn_params):
+        database_file_protect(str(conn_params["database"]))
         # Connecting and the init commands still wait with the busy handler.
         connection = super().get_new_connection(conn_params)
         busy_timeout_set(connection, 0)
