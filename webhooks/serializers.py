@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from jobs.models import JobTemplate
@@ -68,6 +69,7 @@ class WebhookSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = ["id", "consecutive_failures", "disabled_reason", "created_at", "updated_at"]
 
+    @extend_schema_field(serializers.ChoiceField(choices=[SECRET_SET, SECRET_NOT_SET]))
     def get_secret_status(self, webhook: Webhook) -> str:
         return SECRET_SET if webhook.secret_is_set else SECRET_NOT_SET
 
