@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
+from django.utils.translation import gettext as _
 
 from jobs.events import event_record
 
@@ -94,15 +95,16 @@ def webhook_post(webhook: Webhook, delivery: Delivery) -> Answer:
     try:
         target = addresses.target_resolve(webhook.url)
     except addresses.HostUnresolved as exc:
-        return Answer(None, 0, f"no request made: {exc}"[:ERROR_MAX_CHARS])
+        return Answer(None, 0, (_("no request made: %(error)s") % {"error": exc})[:ERROR_MAX_CHARS])
     except addresses.AddressRefused as exc:
-        return Answer(None, 0, f"refused, no request made: {exc}"[:ERROR_MAX_CHARS], final=True)
+        error = _("refused, no request made: %(error)s") % {"error": exc}
+        return Answer(None, 0, error[:ERROR_MAX_CHARS], final=True)
     body = request_body(delivery.payload)
     try:
         signed = signing.headers_sign(webhook.secret, delivery_id=delivery.pk, body=body)
     except signing.SecretInvalid as exc:
-        error = f"no request made: the webhook's secret is unusable ({exc}); rotate it"
-        return Answer(None, 0, error, final=True)
+        error = _("no request made: the webhook's secret is unusable (%(error)s); rotate it") % {"error": exc}
+        return Answer(None, 0, error[:ERROR_MAX_CHARS], final=True)
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "iotqueue-webhooks",
