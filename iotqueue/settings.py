@@ -354,6 +354,9 @@ IOTQUEUE_RECONCILE_SECONDS = env.float("IOTQUEUE_RECONCILE_SECONDS", default=30.
 IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", default=60.0)
 # Finished runs (with their steps and events) older than this are deleted, hourly.
 IOTQUEUE_RETENTION_DAYS = env.float("IOTQUEUE_RETENTION_DAYS", default=30.0)
+# Events of no run (a device's dropped or unknown messages) are kept this long: they say
+# what a device did wrong lately, and a misbehaving device must not fill the table for a month.
+IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS = env.float("IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS", default=3.0)
 # The bridge hands device replies to the workers in groups (jobs/inbox.py): a group is
 # sent when this many replies wait, when no new one came for the idle time, or when its
 # first one waited the max wait. At low load a reply waits only the idle time (a done not

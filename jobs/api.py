@@ -24,12 +24,13 @@ from rest_framework.views import APIView
 
 from devices.models import Device
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
+from iotqueue.pagination import Pagination
 
 from .api_docs import run_start_schema, template_create_schema
 from .cancel import lock_force_release, run_cancel
 from .models import JobRun, JobTemplate, RunStatus, StepRun
 from .retry import RetryError, run_retry
-from .serializers import RunDetailSerializer, RunSerializer, RunStartSerializer
+from .serializers import RunDetailSerializer, RunEventSerializer, RunSerializer, RunStartSerializer
 from .services import RunStartError, run_start, run_start_each
 from .template_serializers import STEPS_PREFETCH, JobTemplateSerializer, TemplateVersionSerializer
 
@@ -100,8 +101,6 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     def get_queryset(self):
         queryset = super().get_queryset()
-        if self.action == "retrieve":
-            queryset = queryset.prefetch_related("events")
         if self.action == "list":
             queryset = runs_filter(queryset, self.request.query_params)
         if self.action in RUN_ACTIONS and not self.request.user.has_perm(RUN_VIEW_PERMISSION):
@@ -148,6 +147,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             return Response({"detail": f"run is already {run.status}"}, status=status.HTTP_409_CONFLICT)
         run.refresh_from_db()
         return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(responses=RunEventSerializer(many=True))
+    @action(detail=True, methods=["get"], pagination_class=Pagination)
+    def events(self, request, pk=None):
+        """The run's whole timeline, oldest first, paged (`?page=`, `?page_size=`)."""
+        run = self.get_object()
+        page = self.paginate_queryset(run.events.order_by("id"))
+        return self.get_paginated_response(RunEventSerializer(page, many=True).data)
 
     @extend_schema(
         request=None,

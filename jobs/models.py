@@ -358,6 +358,14 @@ class StepRun(models.Model):
     )
     deadline = models.DateTimeField(null=True, blank=True)
     progress = models.PositiveSmallIntegerField(null=True, blank=True)
+    # What the device said last and how often: progress of an attempt is kept here, and
+    # only its first few messages are also timeline events (jobs/engine/reply.py).
+    progress_detail = models.CharField(
+        max_length=500, blank=True, help_text="The latest progress detail of the current attempt."
+    )
+    progress_messages = models.PositiveIntegerField(
+        default=0, help_text="Progress messages received for the current attempt."
+    )
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
     queued_at = models.DateTimeField(null=True, blank=True)

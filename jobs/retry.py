@@ -35,6 +35,8 @@ CARRIED_FIELDS = (
     "attempt",
     "fence",
     "progress",
+    "progress_detail",
+    "progress_messages",
     "result",
     "error",
     "queued_at",

@@ -1,5 +1,6 @@
 """REST representations of runs, their steps and timeline."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from devices.selectors import selector_parse
@@ -67,6 +68,8 @@ class StepRunSerializer(serializers.ModelSerializer):
             "fence",
             "deadline",
             "progress",
+            "progress_detail",
+            "progress_messages",
             "result",
             "error",
             "queued_at",
@@ -122,8 +125,28 @@ class RunSerializer(serializers.ModelSerializer):
         ]
 
 
+# A run's detail shows its latest this many events; the whole timeline is paged at
+# /api/runs/<id>/events/ (a device that floods must not make one answer megabytes).
+RUN_DETAIL_EVENTS = 100
+
+
 class RunDetailSerializer(RunSerializer):
-    events = RunEventSerializer(many=True, read_only=True)
+    events = serializers.SerializerMethodField(
+        help_text=f"The run's latest {RUN_DETAIL_EVENTS} events, oldest first; all of them, paged, "
+        "at events_url."
+    )
+    events_total = serializers.SerializerMethodField(help_text="How many events the run has.")
+    events_url = serializers.HyperlinkedIdentityField(
+        view_name="run-events", help_text="The run's whole timeline, paged, oldest first."
+    )
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "events"]
+        fields = [*RunSerializer.Meta.fields, "events", "events_total", "events_url"]
+
+    @extend_schema_field(RunEventSerializer(many=True))
+    def get_events(self, run: JobRun) -> list[dict]:
+        latest = list(run.events.order_by("-id")[:RUN_DETAIL_EVENTS])
+        return RunEventSerializer(reversed(latest), many=True).data
+
+    def get_events_total(self, run: JobRun) -> int:
+        return run.events.count()

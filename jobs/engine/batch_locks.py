@@ -40,6 +40,8 @@ DISPATCH_FIELDS = [
     "dispatched_at",
     "acked_at",
     "progress",
+    "progress_detail",
+    "progress_messages",
 ]
 
 

@@ -27,14 +27,14 @@ from .plan import (
     step_spec,
     step_target_name,
 )
-from .reply import progress_event, step_reply
+from .reply import PROGRESS_FIELDS, progress_keep, step_reply
 from .runs import RUN_STATUS_FOR_STEP, run_advance, run_continue, run_step_enter, step_error
 
 log = logging.getLogger(__name__)
 
 # Fields a batch writes, per kind of row write.
-ACK_FIELDS = ["status", "acked_at", "progress"]
-END_FIELDS = ["status", "error", "finished_at", "result", "progress", "deadline", "acked_at"]
+ACK_FIELDS = ["status", "acked_at", *PROGRESS_FIELDS]
+END_FIELDS = ["status", "error", "finished_at", "result", *PROGRESS_FIELDS, "deadline", "acked_at"]
 
 
 class BatchConflict(Exception):
@@ -106,10 +106,8 @@ class BatchRows:
             step_run.acked_at = step_run.acked_at or self.now
             self._zset_remove([Deadline.of(kind, step_run) for kind in ("ack", "send")])
             self.events.add("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
-        if reply.progress is not None:
-            step_run.progress = reply.progress
-        if reply.detail:
-            event = progress_event(step_run, reply)
+        event = progress_keep(step_run, reply)
+        if event:
             self.events.add(event.pop("kind"), **event)
         self.acks[step_run.pk] = step_run
 

@@ -72,6 +72,8 @@ def attempt_new(step_run: StepRun, *, fence: int, now: datetime) -> Attempt:
         "dispatched_at": now,
         "acked_at": None,
         "progress": None,
+        "progress_detail": "",
+        "progress_messages": 0,
     }
     # `done` times the attempt out; `send` re-sends a command whose publish never
     # confirmed (cleared once it did); `ack` only when the step asks for an early ack.

@@ -8,6 +8,7 @@ else to (unknown, foreign, stale), and the one an old `jobs.step_reply` task tak
 from __future__ import annotations
 
 from django.db import transaction
+from django.db.models import F
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -70,27 +71,68 @@ def reply_unmatched(device: str, reply: protocol.Reply) -> None:
     )
 
 
+# A device may report progress as often as it likes (10,000 in 6 s from one flood): the
+# step's row keeps the latest and the count of its attempt, and only the first this many of
+# an attempt are also timeline events — what an operator reads, not a log of the device.
+PROGRESS_EVENTS_PER_ATTEMPT = 20
+# What an ack or progress writes on the step's row besides its status.
+PROGRESS_FIELDS = ["progress", "progress_detail", "progress_messages"]
+
+
 def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
     """ack/progress: the device is working on the current attempt; a progress may carry a
-    `detail` (recorded as `step.progress`) and `extend_seconds` (`attempt_extend`)."""
+    `detail` (kept on the row, and recorded as `step.progress` while `progress_keep` says
+    so) and `extend_seconds` (`attempt_extend`)."""
+    was = step_run.status
+    event = progress_keep(step_run, reply)
     changes = {"status": StepStatus.IN_PROGRESS, "acked_at": Coalesce("acked_at", timezone.now())}
-    if reply.progress is not None:
-        changes["progress"] = reply.progress
+    if reply.kind == "progress":
+        changes.update(
+            progress=step_run.progress,
+            progress_detail=step_run.progress_detail,
+            progress_messages=F("progress_messages") + 1,
+        )
     updated = StepRun.objects.filter(
         pk=step_run.pk, command_id=reply.command_id, status__in=STEP_IN_FLIGHT
     ).update(**changes)
     if not updated:
         event_record("reply.stale", step_run=step_run, message=f"{reply.kind} after the attempt ended")
         return
-    if step_run.status == StepStatus.DISPATCHED:
+    if was == StepStatus.DISPATCHED:
         deadlines_clear([Deadline.of("ack", step_run), Deadline.of("send", step_run)])
         event_record("step.in_progress", step_run=step_run, message=f"{reply.kind} received")
-    if reply.detail:
-        event_record(**progress_event(step_run, reply))
+    if event:
+        event_record(**event)
     if reply.extend_seconds:
         attempt_extend(
             step_run=step_run, command_id=reply.command_id, seconds=reply.extend_seconds, now=timezone.now()
         )
+
+
+def progress_keep(step_run: StepRun, reply: protocol.Reply) -> dict | None:
+    """Count an ack or progress on the row in memory (the caller writes PROGRESS_FIELDS) and
+    say which `step.progress` event to record, if any: one per progress with a detail for
+    the first PROGRESS_EVENTS_PER_ATTEMPT of an attempt, then one saying the rest is kept
+    on the step only."""
+    if reply.kind != "progress":
+        return None
+    step_run.progress = reply.progress
+    step_run.progress_messages += 1
+    if reply.detail:
+        step_run.progress_detail = reply.detail
+    count = step_run.progress_messages
+    if count <= PROGRESS_EVENTS_PER_ATTEMPT:
+        return progress_event(step_run, reply) if reply.detail else None
+    if count == PROGRESS_EVENTS_PER_ATTEMPT + 1:
+        return {
+            "kind": "step.progress",
+            "step_run": step_run,
+            "message": f"{reply.progress}%: more progress of this attempt is kept on the step only "
+            f"(its latest detail and a count), not in the timeline",
+            "progress": reply.progress,
+            "coalesced": True,
+        }
+    return None
 
 
 def progress_event(step_run: StepRun, reply: protocol.Reply) -> dict:
