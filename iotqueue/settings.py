@@ -463,7 +463,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        # Control characters in a message escaped, so that text a device sent cannot start a
+        # line of its own (iotqueue/logfmt.py).
+        "text": {
+            "class": "iotqueue.logfmt.TextFormatter",
+            "format": "%(asctime)s %(levelname)s %(name)s %(message)s",
+        },
         "json": {
             "()": "pythonjsonlogger.json.JsonFormatter",
             "fmt": "%(levelname)s %(name)s %(message)s",
