@@ -27,6 +27,7 @@ from functools import lru_cache
 from urllib.parse import SplitResult, urlsplit
 
 from django.conf import settings
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
@@ -89,6 +90,15 @@ def allowed_networks() -> tuple[IPNetwork, ...]:
     if isinstance(raw, str):
         raw = raw.split(",")
     return _networks_parse(tuple(item for item in raw if item.strip()))
+
+
+def allowed_networks_check(app_configs=None, **kwargs) -> list[checks.Error]:
+    """System check (every manage.py command, the worker's start): the allow-list parses."""
+    try:
+        allowed_networks()
+    except ImproperlyConfigured as exc:
+        return [checks.Error(str(exc), id="webhooks.E001")]
+    return []
 
 
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:

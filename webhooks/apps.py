@@ -8,13 +8,15 @@ class WebhooksConfig(AppConfig):
     name = "webhooks"
 
     def ready(self) -> None:
+        from django.core import checks
         from django.db.models.signals import post_delete, post_save
 
         from jobs.events import lifecycle_events
 
-        from . import outbox
+        from . import addresses, outbox
         from .models import Webhook
 
+        checks.register(addresses.allowed_networks_check, "webhooks")
         lifecycle_events.connect(outbox.lifecycle_events_received, dispatch_uid="webhooks.lifecycle_events")
         for signal in (post_save, post_delete):
             signal.connect(outbox.webhooks_changed, sender=Webhook, dispatch_uid=f"webhooks.changed.{signal}")

@@ -7,7 +7,13 @@ import ipaddress
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from webhooks.addresses import AddressRefused, address_refusal, target_resolve, url_check
+from webhooks.addresses import (
+    AddressRefused,
+    address_refusal,
+    allowed_networks_check,
+    target_resolve,
+    url_check,
+)
 
 REFUSED_ADDRESSES = [
     "127.0.0.1",
@@ -103,3 +109,11 @@ def test_a_malformed_allow_list_fails_closed(settings):
     settings.IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS = ["127.0.0.0/8", "not-a-network"]
     with pytest.raises(ImproperlyConfigured, match="not-a-network"):
         url_check("http://127.0.0.1/hook")
+
+
+def test_a_malformed_allow_list_is_a_system_check_error(settings):
+    settings.IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS = ["10.0.0.0/33"]
+    (error,) = allowed_networks_check()
+    assert error.id == "webhooks.E001" and "10.0.0.0/33" in error.msg
+    settings.IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS = ["10.0.0.0/8"]
+    assert allowed_networks_check() == []
