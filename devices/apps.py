@@ -6,11 +6,16 @@ class DevicesConfig(AppConfig):
     name = "devices"
 
     def ready(self) -> None:
+        from django.core import checks
+
         from iotqueue.bridge import handler_register
         from iotqueue.metrics import gauge_register
 
-        from . import credentials, metrics, presence, protocol, task_lock
+        from . import credentials, metrics, presence, protocol, task_lock, topic_claims
         from .locks import grant_handler_register
+
+        # The topic prefix is a topic the broker accepts (devices/topic_claims.py).
+        checks.register(topic_claims.topic_prefix_check)
 
         # Device rows keep their broker identities in step (devices/credentials.py).
         credentials.signals_connect()

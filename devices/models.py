@@ -3,8 +3,10 @@
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.utils.translation import gettext_lazy as _
 
 from iotqueue.names import url_name_validator
+from iotqueue.topics import topic_name_error
 
 from . import protocol
 
@@ -29,6 +31,14 @@ def config_validate(value) -> None:
 
 
 def topic_validate(value: str) -> None:
+    """A device's command or reply topic: one the broker accepts, and none of the broker's own.
+
+    Control characters, noncharacters and text without a UTF-8 form would make the broker drop
+    the bridge (or the device) that subscribes to it, as a malformed packet.
+    """
+    problem = value and topic_name_error(value)
+    if problem:
+        raise ValidationError(_("Not a topic the MQTT broker accepts: %(problem)s.") % {"problem": problem})
     if value and ("+" in value or "#" in value or value.startswith("/")):
         raise ValidationError("A topic may not contain wildcards (+ #) or start with '/'.")
     if value.startswith("$"):

@@ -8,19 +8,22 @@ from typing import Any
 
 from celery.schedules import crontab as celery_crontab
 from django.core.exceptions import ValidationError
+from django.utils.translation import gettext as _
 from django_celery_beat.validators import crontab_validator
 
 from devices import protocol
 from devices.models import Device
+from devices.topic_claims import device_topic_overlap_error
+from iotqueue import topics
 from iotqueue.topics import filters_overlap
 from jobs.templating import TemplateError, references
+
+from .models import TriggerRule
 
 # Cron order, as in crontab(5) and django-celery-beat's CrontabSchedule.
 CRONTAB_FIELDS = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
 # What a trigger rule's references may read: the topic's levels and the message body.
 RULE_ROOTS = ("topic", "message")
-# MQTT's limit on a topic (filter) length in bytes.
-TOPIC_MAX_BYTES = 65535
 
 
 @functools.cache
@@ -70,22 +73,23 @@ def schedule_errors(*, interval_seconds: int | None, crontab: str, timezone: str
 
 
 def topic_filter_error(topic_filter: str) -> str | None:
-    """MQTT's rules for a subscription filter (as paho checks them before subscribing)."""
-    if not topic_filter:
-        return "a topic filter cannot be empty"
-    if len(topic_filter.encode()) > TOPIC_MAX_BYTES or "\x00" in topic_filter:
-        return "a topic filter is at most 65535 bytes of UTF-8 without NUL"
-    levels = topic_filter.split("/")
-    for position, level in enumerate(levels):
-        if ("+" in level or "#" in level) and len(level) > 1:
-            return f"wildcards must fill a whole level, not {level!r}"
-        if level == "#" and position != len(levels) - 1:
-            return "# may only be the last level"
-    if topic_filter.startswith("$share/"):
-        return "give the plain filter; the bridge adds $share/<group>/ itself"
+    """A rule's filter: one the broker accepts (iotqueue/topics.py: no control characters,
+    noncharacters, lone surrogates, misplaced wildcards, over 65535 bytes), and not a $ topic."""
+    problem = topics.topic_filter_error(topic_filter)
+    if problem:
+        return problem
+    if topic_filter.startswith(topics.SHARE_PREFIX):
+        return _("give the plain filter; the bridge adds $share/<group>/ itself")
     if topic_filter.startswith("$"):
-        return "topics starting with $ ($SYS, $CONTROL) are the broker's own, not device messages"
+        return _("topics starting with $ ($SYS, $CONTROL) are the broker's own, not device messages")
     return None
+
+
+def rule_listened_topics() -> list[tuple[str, str]]:
+    """(filter, "trigger rule <name>") of every rule, enabled or not (one may be enabled later):
+    what devices' topic overrides must stay clear of (devices/topic_claims.py)."""
+    rules = TriggerRule.objects.values_list("topic_filter", "name")
+    return [(topic_filter, _("trigger rule %(name)s") % {"name": name}) for topic_filter, name in rules]
 
 
 def command_filters() -> list[str]:
@@ -126,7 +130,7 @@ def rule_reference_error(value: Any, topic_filter: str) -> str | None:
         return str(exc)
     levels = topic_filter.split("/")
     for path in paths:
-        root, _, rest = path.partition(".")
+        root, _dot, rest = path.partition(".")
         if root not in RULE_ROOTS:
             return f"{{{{ {path} }}}}: references start with topic or message"
         index = rest.split(".")[0]
@@ -143,6 +147,7 @@ def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> 
         topic_filter_error(topic_filter)
         or command_overlap_error(topic_filter, command_filters())
         or published_overlap_error(topic_filter)
+        or device_topic_overlap_error(topic_filter)
     )
     if problem:
         return {"topic_filter": problem}

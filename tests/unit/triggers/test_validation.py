@@ -81,8 +81,12 @@ def test_a_well_formed_filter_is_accepted(topic_filter):
         ("site/#/opened", "# may only be the last level"),
         ("$share/g/site/#", "the bridge adds $share/<group>/ itself"),
         ("$SYS/#", "are the broker's own"),
-        ("a\x00b", "without NUL"),
-        ("a" * 65536, "at most 65535 bytes"),
+        ("a\x00b", "(U+0000) is a control character"),
+        ("ctl/\x01/x", "(U+0001) is a control character"),
+        ("a/\x85", "(U+0085) is a control character"),
+        ("a/\ufffe", "a Unicode noncharacter"),
+        ("a/\ud800", "lone surrogate"),
+        ("a" * 65536, "MQTT allows at most 65535"),
     ],
 )
 def test_a_malformed_filter_is_refused_with_mqtts_rule(topic_filter, problem):
