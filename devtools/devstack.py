@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         # The demo's step task (a template step of kind `task`): the worker runs it, the web
         # process checks templates against it.
         os.environ["CELERY_IMPORTS"] = "devtools.demo_tasks"
+        # The demo's webhook receiver listens on 127.0.0.1, which webhooks refuse unless it is
+        # listed (docs/operations.md, Securing a deployment): listed here, for the demo only.
+        os.environ.setdefault("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.1/32")
         import django
         from django.core.management import CommandError, call_command
 
