@@ -29,6 +29,10 @@ DEBUG = env.bool("DEBUG", default=False)
 # as the default everywhere, so it is refused by name too.
 DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
 SECRET_KEY = env("SECRET_KEY", default=DEV_SECRET_KEY if DEBUG else "")
+# Earlier keys (comma-separated), still accepted when checking a signature while a rotation
+# lasts, so that rotating SECRET_KEY signs nobody out; remove a key once sessions signed with
+# it have expired (docs/operations.md#accounts-tokens-and-logs).
+SECRET_KEY_FALLBACKS = env.list("SECRET_KEY_FALLBACKS", default=[])
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"] if DEBUG else [])
 
 
@@ -57,6 +61,12 @@ if not DEBUG:
             f"{refusal}. With DEBUG off, set SECRET_KEY to a long random value, e.g. "
             "python3 -c 'import secrets; print(secrets.token_urlsafe(50))' (or DEBUG=true for development)."
         )
+    for _number, _fallback in enumerate(SECRET_KEY_FALLBACKS, start=1):
+        if refusal := _secret_key_refusal(_fallback):
+            raise ImproperlyConfigured(
+                f"SECRET_KEY_FALLBACKS, key {_number}: {refusal.replace('SECRET_KEY', 'it')}. A fallback "
+                "is a former SECRET_KEY, as long and random as one must be (or leave it out)."
+            )
     if not ALLOWED_HOSTS:
         raise ImproperlyConfigured(
             "ALLOWED_HOSTS is not set. With DEBUG off, set it to the comma-separated host names "
