@@ -9,7 +9,9 @@ from .throttling import TokenObtainThrottle
 class TokenObtainView(ObtainAuthToken):
     """DRF's token view (which has no throttle of its own), limited per client address.
 
-    Failed logins also count toward the username's lockout (django-axes), as in the admin.
+    Failed logins also count toward the lockouts (django-axes: the username from that address,
+    and the address across usernames), as in the admin. The token is returned as DRF stores
+    it; the admin never shows it (iotqueue/admin.py).
     """
 
     throttle_classes = [TokenObtainThrottle]

@@ -301,8 +301,9 @@ IOTQUEUE_COMMAND_MAX_BYTES = env.int("IOTQUEUE_COMMAND_MAX_BYTES", default=256 *
 
 # --- Redis: Celery broker and device locks -------------------------------------------
 REDIS_URL = env("REDIS_URL", default="redis://127.0.0.1:6379/0")
-# The API's throttle counts live here; the backend reads REDIS_URL and the key prefix when
-# first used (iotqueue/cache.py), so they follow this Redis and IOTQUEUE_REDIS_KEY_PREFIX.
+# Django's cache, shared by every process (the API's throttles count in this Redis with a
+# script of their own, iotqueue/throttling.py); the backend reads REDIS_URL and the key
+# prefix when first used (iotqueue/cache.py), so it follows them.
 CACHES = {"default": {"BACKEND": "iotqueue.cache.ProjectRedisCache"}}
 
 # The device locks and the deadline sets (iotqueue/redis_conn.py): empty = REDIS_URL's server;
