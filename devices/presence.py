@@ -8,6 +8,8 @@ from datetime import timedelta
 from django.dispatch import Signal
 from django.utils import timezone
 
+from iotqueue.budget import message_drop_note
+
 from . import protocol
 from .models import Device
 
@@ -57,6 +59,8 @@ def presence_message_handle(topic: str, payload: bytes) -> None:
     try:
         online = protocol.status_parse(payload)
     except protocol.ProtocolError as exc:
-        log.warning("presence: dropped status from %s: %s", name, exc)
+        # Not logged per message (a flood would flood the log): summarized by the bridge.
+        why = f"status: {exc}"
+        message_drop_note(device=name, reason=why[:80], message=why, topic=topic, size=len(payload))
         return
     device_presence_set(name=name, online=online)

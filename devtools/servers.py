@@ -52,6 +52,9 @@ DYNSEC_PLUGIN_GLOBS = (
 )
 # The service user of the embedded broker (its password is new at every start).
 SERVICE_USER = "iotqueue"
+# The limits deploy/mosquitto.conf sets (see the reasons there), so tests and the dev stack
+# run against the broker production runs; `mosquitto_options` come after and may override.
+MOSQUITTO_LIMITS = ("message_size_limit 524288", "max_inflight_messages 100", "max_queued_messages 100000")
 
 
 class ServerStartError(RuntimeError):
@@ -177,13 +180,13 @@ def mqtt_broker_start(
     if system:
         kind = "mosquitto (system)"
         plugin = dynsec_plugin_find()
-        lines = ["allow_anonymous true", *mosquitto_options]
+        lines = ["allow_anonymous true", *MOSQUITTO_LIMITS, *mosquitto_options]
         if plugin:
             auth, username, password = "dynsec", SERVICE_USER, dynsec.password_new()
             security = directory / "dynamic-security.json"
             dynsec.config_write(security, username, password, force=True)
             lines = ["allow_anonymous false", f"plugin {plugin}", f"plugin_opt_config_file {security}",
-                     *mosquitto_options]  # fmt: skip
+                     *MOSQUITTO_LIMITS, *mosquitto_options]  # fmt: skip
 
         def argv(port: int) -> list[str]:
             # As root mosquitto would switch to user "mosquitto", who cannot write our workdir.

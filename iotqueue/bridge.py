@@ -43,7 +43,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from .batching import batchers_flush
-from .budget import MessageBudget, drop_summaries_report, message_drop_note
+from .budget import MessageBudget, drop_summaries_report, drop_tally, message_drop_note
 from .metrics import COUNTER, Family, counter_buffer, family_declare
 from .mqtt import client_connect, client_create
 from .topics import filters_overlap, topic_filter_error
@@ -56,8 +56,8 @@ TopicProvider = Callable[[], dict[str, Handler]]
 # How often the bridge re-reads dynamic topics (devices added or given legacy topics):
 # a new device works within this many seconds, without a restart.
 DYNAMIC_REFRESH_SECONDS = 2.0
-# How often the run loop reports dropped-message summaries: a device's first dropped message
-# shows on its timeline within about this long (iotqueue/budget.py sums the rest).
+# How often the run loop looks for dropped-message summaries that are due (iotqueue/budget.py
+# sums a device's drops per window). A device's first drop wakes it at once.
 DROP_REPORT_SECONDS = 0.5
 # How often the watchdog looks at paho's network thread. A dead thread means no message is
 # handled; a second of that before exiting costs little next to a restart's few seconds.
@@ -457,7 +457,8 @@ class Bridge:
         watchdog.start()
         refreshed = time.monotonic()
         try:
-            while not self._stop.wait(DROP_REPORT_SECONDS):
+            while not self._stop.is_set():
+                drop_tally.first_noted.wait(DROP_REPORT_SECONDS)
                 self._report_safely()
                 if time.monotonic() - refreshed >= DYNAMIC_REFRESH_SECONDS:
                     refreshed = time.monotonic()

@@ -114,7 +114,8 @@ class DropTally:
 
     `note` is cheap (a dict update under a lock): safe on the bridge's network thread at
     any message rate. `summaries_take` gives, per (device, reason), the first drop at once
-    and the rest summed once per DROP_WINDOW_SECONDS; entries quiet for a window go.
+    (`first_noted` wakes the taker) and the rest summed once per DROP_WINDOW_SECONDS;
+    entries quiet for a window go.
     How it fails: beyond TALLY_MAX_ENTRIES new entries are counted in `overflow` only (the
     bridge logs them); a sink that raises loses that window's summaries (logged).
     """
@@ -125,6 +126,9 @@ class DropTally:
         self._reasons: dict[str, int] = {}  # device -> distinct reasons held
         self._lock = threading.Lock()
         self.overflow = 0
+        # Set when a (device, reason) drops its first message: the bridge's run loop wakes
+        # and reports it at once (sums of further drops wait for their window).
+        self.first_noted = threading.Event()
 
     def note(self, *, device: str, reason: str, message: str, topic: str, size: int) -> None:
         """One message dropped: `reason` groups it (a short fixed phrase), `message` says why."""
@@ -140,6 +144,7 @@ class DropTally:
                         return
                     entry = self._entries[(device, reason)] = _Entry(started=self._clock())
                     self._reasons[device] = self._reasons.get(device, 0) + 1
+                    self.first_noted.set()
             entry.count += 1
             entry.message, entry.topic, entry.size = message, topic, size
 
@@ -148,6 +153,7 @@ class DropTally:
         now = self._clock()
         due: list[DropSummary] = []
         with self._lock:
+            self.first_noted.clear()
             for key, entry in list(self._entries.items()):
                 elapsed = now - entry.started
                 if entry.count and (not entry.reported or elapsed >= DROP_WINDOW_SECONDS):

@@ -1,7 +1,8 @@
 """What a device is doing now: the answer to its `jobs/get` (device protocol v1.1).
 
 A device that lost track of its command (it rebooted, its firmware crashed) publishes
-`P/D/jobs/get`; the bridge hands the question to a worker (`jobs.device_jobs_get`), which
+`P/D/jobs/get`; the bridge hands the question to a worker (`jobs.device_jobs_get`, at most
+JOBS_GET_RATE a second per device: more is dropped and counted, the answer would not change), which
 answers on `P/D/jobs/current` with the command the device holds the lock for, exactly as it
 was sent (same id, attempt and fence, so the device's replies answer that attempt), and how
 many holders wait for the device's lock. Nothing changes state: asking twice, or after the
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 
 # The task the bridge's jobs/get handler sends (jobs/replies.py), by name.
 JOBS_GET_TASK = "jobs.device_jobs_get"
+# How often one device's jobs/get is answered (each answer is a Celery task on the shared
+# queue): a device asks after a reboot or a lost command, so twice a second is plenty, and a
+# device asking 1,000 times a second cannot delay other devices' hand-offs. The burst lets a
+# device ask a few times in a row (an answer it missed, a command it just finished).
+JOBS_GET_RATE = 2.0
+JOBS_GET_BURST = 10
 
 
 def device_command_current(*, device: str) -> StepRun | None:
