@@ -1,4 +1,4 @@
-"""Django's cache (the API's throttle counters) on the project's Redis, under its key prefix.
+"""Django's cache on the project's Redis, under its key prefix.
 
 Django's own RedisCache, except that the server and the key prefix are REDIS_URL and
 IOTQUEUE_REDIS_KEY_PREFIX as they are when the cache is used, not when it was built:
