@@ -9,8 +9,10 @@ import pytest
 from django.test import override_settings
 
 from devices import protocol
+from iotqueue import budget
+from iotqueue.metrics import CounterBuffer
+from jobs import replies
 from jobs.models import RunEvent
-from jobs.replies import reply_accept
 
 
 def deep_result(depth: int) -> bytes:
@@ -35,10 +37,16 @@ def test_the_depth_limit_is_the_setting():
         protocol.payload_json(deep_result(4))
 
 
-@pytest.mark.django_db
-def test_a_deep_reply_is_dropped_with_an_event():
+@pytest.mark.django_db(transaction=True)  # the summary writer recycles the connection
+def test_a_deep_reply_is_dropped_with_an_event(monkeypatch):
+    # given the bridge's tally of dropped messages, counted in this process
+    tally = budget.DropTally()
+    monkeypatch.setattr(budget, "drop_tally", tally)
+    monkeypatch.setattr(replies, "counter_buffer", CounterBuffer(flush_seconds=3600))
+
     # when a device's reply nests deeper than Python can decode
-    reply_accept("lamp-1", "done", "iotqueue/lamp-1/done", deep_result(5000))
+    replies.reply_accept("lamp-1", "done", "iotqueue/lamp-1/done", deep_result(5000))
+    replies.dropped_summaries_record(tally.summaries_take())
 
     # then it is dropped, and the timeline says why
     dropped = RunEvent.objects.get(kind="message.dropped")
