@@ -16,6 +16,7 @@ class JobsConfig(AppConfig):
         from devices.locks import grant_handler_register
         from devices.presence import device_presence_changed
         from iotqueue.bridge import BRIDGE_MESSAGES, dynamic_topics_register, handler_register
+        from iotqueue.budget import drop_sink_register
         from iotqueue.metrics import family_values_add
 
         # Importing engine fills its registries, metrics declares the app's /metrics families.
@@ -43,6 +44,8 @@ class JobsConfig(AppConfig):
         # Protocol v1.1: a device asks for its current command (jobs/current.py answers).
         handler_register(protocol.device_topic("+", protocol.JOBS_GET), replies.jobs_get_handle)
         dynamic_topics_register(replies.legacy_reply_topics)
+        # The bridge reports what its handlers dropped here (from its run loop, a few rows a window).
+        drop_sink_register(replies.dropped_summaries_record)
         # What the reply handlers and the engine decide about a message the bridge received.
         family_values_add(BRIDGE_MESSAGES, *metrics.BRIDGE_MESSAGE_KINDS)
         device_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")

@@ -21,7 +21,7 @@ from devices import protocol
 from devices.models import Device
 from iotqueue.batching import Batcher
 from iotqueue.bridge import BRIDGE_MESSAGES, Handler, ack_defer
-from iotqueue.budget import DropSummary, MessageBudget, drop_sink_register, message_drop_note
+from iotqueue.budget import DropSummary, MessageBudget, message_drop_note
 from iotqueue.metrics import counter_buffer
 
 from .current import JOBS_GET_BURST, JOBS_GET_RATE, JOBS_GET_TASK
@@ -144,7 +144,3 @@ def legacy_reply_topics() -> dict[str, Handler]:
     """Legacy devices' single reply topics (e.g. dev/face/123/Ack), re-read by the bridge."""
     topics = Device.objects.filter(enabled=True).exclude(reply_topic="").values_list("reply_topic", "name")
     return {topic: _legacy_handler(name) for topic, name in topics}
-
-
-# The bridge reports what its handlers dropped here (from its run loop, a few rows a window).
-drop_sink_register(dropped_summaries_record)
