@@ -15,9 +15,11 @@ from typing import Any
 from django.db import transaction
 from django.dispatch import Signal
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from iotqueue.bridge import BRIDGE_MESSAGES
 from iotqueue.metrics import MetricsBatch
+from iotqueue.redis_conn import redis_connection, redis_key
 
 from .metrics import LOCK_WAIT, RUNS, RUNS_STARTED, STEP_DURATION, STEP_RETRIES, STEPS
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
@@ -94,6 +96,51 @@ def event_new(
 def event_run(event: RunEvent) -> JobRun | None:
     """The event's run when `event_new` kept it on the event, without a query; else None."""
     return event.run if RunEvent.run.is_cached(event) else None
+
+
+# A device can send replies that answer nothing current (stale, unknown, another device's)
+# as fast as its budget at the bridge allows (200/s): each is counted on /metrics, but only
+# the first EVENTS_SAMPLED_FIRST of a kind from one device within EVENTS_SAMPLED_WINDOW
+# seconds, then the 100th, 1,000th, ..., become events, so that one device cannot fill the
+# timeline. The window is short so that a device that behaves again is heard again soon.
+EVENTS_SAMPLED_FIRST = 10
+EVENTS_SAMPLED_WINDOW = 60
+
+
+def event_record_sampled(kind: str, *, device: str, **fields: Any) -> RunEvent | None:
+    """`event_record` for what a device may repeat at will: recorded for the first few of
+    its kind from `device` in a window, then at each power of ten (saying how many came);
+    always counted. How it fails: without Redis every one is recorded."""
+    try:
+        count = _sampled_count(kind, device)
+    except RedisError:
+        count = 1
+    if count <= EVENTS_SAMPLED_FIRST or _power_of_ten(count):
+        if count > EVENTS_SAMPLED_FIRST:
+            fields["message"] = (
+                f"{fields.get('message', '')} (the {count}th {kind} from {device} within "
+                f"{EVENTS_SAMPLED_WINDOW} s; only the first {EVENTS_SAMPLED_FIRST}, then every power "
+                "of ten, are recorded)"
+            )
+            fields["sampled_count"] = count
+        return event_record(kind, device=device, **fields)
+    transaction.on_commit(event_metrics(kind, fields.get("step_run")).send)
+    return None
+
+
+def _sampled_count(kind: str, device: str) -> int:
+    with redis_connection().pipeline(transaction=False) as pipe:
+        key = redis_key("events-sampled", kind, device)
+        pipe.incr(key)
+        pipe.expire(key, EVENTS_SAMPLED_WINDOW, nx=True)
+        count, _ = pipe.execute()
+    return int(count)
+
+
+def _power_of_ten(count: int) -> bool:
+    while count >= 10 and count % 10 == 0:
+        count //= 10
+    return count == 1
 
 
 def event_record(kind: str, **fields: Any) -> RunEvent:

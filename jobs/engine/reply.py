@@ -15,7 +15,7 @@ from django.utils import timezone
 from devices import protocol
 
 from ..deadlines import Deadline, deadlines_clear
-from ..events import event_record
+from ..events import event_record, event_record_sampled
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .attempts import attempt_extend
 from .plan import command_id_step
@@ -31,7 +31,7 @@ def step_reply(*, device: str, reply: protocol.Reply) -> None:
         return
     # A task step's outcome comes as a reply from its device's name, or "" without one.
     if step_run.device_name != device:
-        event_record(
+        event_record_sampled(
             "reply.foreign_device",
             step_run=step_run,
             device=device,
@@ -59,14 +59,15 @@ def reply_unmatched(device: str, reply: protocol.Reply) -> None:
         StepRun.objects.select_related("device").filter(pk=step_run_id).first() if step_run_id else None
     )
     if step_run is not None and step_run.device_name == device:
-        event_record(
+        event_record_sampled(
             "reply.stale",
+            device=device,
             step_run=step_run,
             message=f"{reply.kind} for an earlier attempt ({reply.command_id}); ignored",
             reply_id=reply.command_id,
         )
         return
-    event_record(
+    event_record_sampled(
         "reply.unknown", device=device, message=f"{reply.kind} for unknown command {reply.command_id}"
     )
 
@@ -96,7 +97,12 @@ def step_progress(*, step_run: StepRun, reply: protocol.Reply) -> None:
         pk=step_run.pk, command_id=reply.command_id, status__in=STEP_IN_FLIGHT
     ).update(**changes)
     if not updated:
-        event_record("reply.stale", step_run=step_run, message=f"{reply.kind} after the attempt ended")
+        event_record_sampled(
+            "reply.stale",
+            device=step_run.device_name,
+            step_run=step_run,
+            message=f"{reply.kind} after the attempt ended",
+        )
         return
     if was == StepStatus.DISPATCHED:
         deadlines_clear([Deadline.of("ack", step_run), Deadline.of("send", step_run)])

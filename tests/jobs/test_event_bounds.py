@@ -4,12 +4,15 @@ answer pages its timeline, and events of no run have their own, shorter retentio
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
-from jobs.engine.reply import PROGRESS_EVENTS_PER_ATTEMPT
+from devices.protocol import Reply
+from jobs.engine.reply import PROGRESS_EVENTS_PER_ATTEMPT, step_reply
+from jobs.events import EVENTS_SAMPLED_FIRST
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.retention import runs_prune
 from jobs.serializers import RUN_DETAIL_EVENTS
@@ -90,3 +93,15 @@ def test_events_of_no_run_are_pruned_sooner_than_runs(settings):
     # then only the old orphan is gone
     assert list(RunEvent.objects.filter(device="noisy")) == [new]
     assert settings.IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS < settings.IOTQUEUE_RETENTION_DAYS
+
+
+def test_replies_that_answer_nothing_are_sampled_per_device_not_a_row_each():
+    # given a device that sends 150 replies for commands nobody issued
+    device = f"noisy-{uuid.uuid4().hex[:8]}"
+    for n in range(150):
+        step_reply(device=device, reply=Reply(kind="done", command_id=f"nope-{n}", ok=True))
+
+    # then the first ten and the hundredth are events, the last saying how many came
+    events = list(RunEvent.objects.filter(kind="reply.unknown", device=device).order_by("id"))
+    assert len(events) == EVENTS_SAMPLED_FIRST + 1
+    assert events[-1].data["sampled_count"] == 100 and "the 100th reply.unknown" in events[-1].message
