@@ -19,7 +19,9 @@ from django.conf import settings
 from django.db import transaction
 
 from devices import protocol
+from devices.topic_claims import device_reply_filters
 from iotqueue.bridge import Handler
+from iotqueue.topics import filters_overlap
 from jobs.events import event_record
 from jobs.models import JobRun, Trigger
 from jobs.services import RunStartError, run_start
@@ -41,11 +43,11 @@ def rule_topics() -> dict[str, Handler]:
     Every handler sees all enabled rules (read once per refresh, not per message): the
     bridge hands a message to one handler even when several filters match it.
     """
-    commands = command_filters()
+    commands, devices = command_filters(), device_reply_filters()
     rules = [
         rule
         for rule in TriggerRule.objects.filter(enabled=True).select_related("template")
-        if _listening_allowed(rule, commands)
+        if _listening_allowed(rule, commands, devices)
     ]
     handler = functools.partial(trigger_message_handle, rules=rules)
     return {rule.topic_filter: handler for rule in rules}
@@ -55,13 +57,22 @@ def rule_topics() -> dict[str, Handler]:
 _refusals_logged: set[tuple[int, str]] = set()
 
 
-def _listening_allowed(rule: TriggerRule, commands: list[str]) -> bool:
+def _listening_allowed(rule: TriggerRule, commands: list[str], devices: list[str]) -> bool:
     """Refuse, at run time too, a filter that validation would refuse now: a rule saved
-    before the check existed, or a device given a legacy command topic the rule matches."""
+    before the check existed, or a device given a legacy command or reply topic the rule
+    matches (`devices`: every topic devices answer on, devices/topic_claims.py)."""
     problem = (
         topic_filter_error(rule.topic_filter)
         or command_overlap_error(rule.topic_filter, commands)
         or published_overlap_error(rule.topic_filter)
+        or next(
+            (
+                f"it matches {taken}, a topic devices answer on"
+                for taken in devices
+                if filters_overlap(rule.topic_filter, taken)
+            ),
+            None,
+        )
     )
     if problem and (rule.pk, rule.topic_filter) not in _refusals_logged:
         _refusals_logged.add((rule.pk, rule.topic_filter))

@@ -9,6 +9,7 @@ from django.test import Client
 from devices import protocol
 from tests.factories import DeviceFactory, template_with_steps
 from triggers.models import TriggerRule
+from triggers.rules import rule_topics
 
 pytestmark = pytest.mark.django_db
 
@@ -105,3 +106,15 @@ def test_the_admin_form_refuses_them_too(template):
         assert set(page.context["adminform"].form.errors) == {"topic_filter"}, topic_filter
 
     assert not TriggerRule.objects.exists()
+
+
+def test_a_rule_stored_on_a_legacy_reply_topic_is_not_listened_to():
+    # given a rule saved before the check (no validation) on a topic a legacy device
+    # answers on, and a rule on a sensor topic
+    DeviceFactory(reply_topic="legacy/face/7/Ack")
+    template = template_with_steps((DeviceFactory(), "a", {}))
+    TriggerRule.objects.create(name="takes-acks", topic_filter="legacy/#", template=template)
+    TriggerRule.objects.create(name="door", topic_filter="site/+/door", template=template)
+
+    # when the bridge reads the rules' topics, then only the sensor rule is subscribed
+    assert set(rule_topics()) == {"site/+/door"}
