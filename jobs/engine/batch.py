@@ -96,16 +96,7 @@ def inbox_apply(work: Work, *, finally_: PipeHook | None = None) -> None:
     """
     items = [(device, protocol.Reply(**payload)) for device, payload in work.replies]
     items += [(None, run_id) for run_id in work.starts]
-    try:
-        _items_apply(items, finally_=finally_)
-    except TRANSIENT:
-        raise
-    except Exception as exc:
-        if len(items) == 1:
-            poison_drop(items[0], exc)
-        else:
-            log.warning("a batch of %d inputs failed (%r); applying it in halves", len(items), exc)
-            _items_bisect(items)
+    if not _items_isolate(items, finally_=finally_):
         transition_apply(finally_=finally_)  # nothing left to apply: the inbox's acknowledgement
 
 
@@ -113,25 +104,25 @@ def inbox_apply(work: Work, *, finally_: PipeHook | None = None) -> None:
 TRANSIENT = (OperationalError, InterfaceError, RedisError, BatchRetry)
 
 
-def _items_apply(items: list[tuple[str | None, object]], *, finally_: PipeHook | None = None) -> None:
-    replies = [(device, reply) for device, reply in items if device is not None]
-    starts = [run_id for device, run_id in items if device is None]
-    transition_apply(replies=replies, starts=starts, finally_=finally_)
-
-
-def _items_bisect(items: list[tuple[str | None, object]]) -> None:
-    """Apply `items`, known to fail together, half by half down to the inputs failing alone."""
-    half = len(items) // 2
-    for part in (items[:half], items[half:]):
-        try:
-            _items_apply(part)
-        except TRANSIENT:
-            raise
-        except Exception as exc:
-            if len(part) == 1:
-                poison_drop(part[0], exc)
-            else:
-                _items_bisect(part)
+def _items_isolate(items: list[tuple[str | None, object]], *, finally_: PipeHook | None = None) -> bool:
+    """Apply `items` as one transition (True); when that fails for a reason of their own,
+    apply each half the same way, down to the inputs that fail alone, dropped (False)."""
+    try:
+        replies = [(device, reply) for device, reply in items if device is not None]
+        starts = [run_id for device, run_id in items if device is None]
+        transition_apply(replies=replies, starts=starts, finally_=finally_)
+        return True
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        if len(items) == 1:
+            poison_drop(items[0], exc)
+            return False
+        log.warning("a batch of %d inputs failed (%r); applying it in halves", len(items), exc)
+        half = len(items) // 2
+        _items_isolate(items[:half])
+        _items_isolate(items[half:])
+        return False
 
 
 def poison_drop(item: tuple[str | None, object], exc: Exception) -> None:
