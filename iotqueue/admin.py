@@ -48,6 +48,12 @@ class TokenAdmin(DrfTokenAdmin):
     list_display_links = None
     actions = ["tokens_revoke"]
 
+    def get_actions(self, request: HttpRequest) -> dict:
+        actions = super().get_actions(request)
+        # Its confirmation page lists each token as its text, which is the key (and logs it).
+        actions.pop("delete_selected", None)
+        return actions
+
     def get_list_display(self, request: HttpRequest) -> tuple[str, ...]:
         if super().has_change_permission(request):
             return ("user", "key_shown", "created")

@@ -251,19 +251,24 @@ class Bridge:
         with self._lock:
             self._pending.clear()
             topics = [t for t, _ in _handlers] + list(self._dynamic)
-        sent = self._subscribe(topics)
-        log.info("bridge: connected, subscribed to %d topic filters", sent)
-        self.connected.set()
+        try:
+            sent = self._subscribe(topics)
+            log.info("bridge: connected, subscribed to %d topic filters", sent)
+        finally:
+            self.connected.set()  # so that dynamic_refresh subscribes what this missed
 
     @_guarded("disconnect")
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
-        if pending:
-            # The broker answers subscriptions in order: the first unanswered one is what it
-            # dropped the connection over (Mosquitto does so for a malformed filter).
-            suspect = pending[0]
+        # The broker answers subscriptions in order: the first unanswered one is what it
+        # dropped the connection over (Mosquitto does so for a malformed filter). The
+        # built-in device filters are checked by the project and never struck off: a
+        # network blip while they wait must not leave the bridge deaf to devices.
+        static = {t for t, _ in _handlers}
+        suspect = next((topic for topic in pending if topic not in static), None)
+        if suspect is not None:
             self._strikes[suspect] += 1
             if self._strikes[suspect] >= SUBSCRIBE_STRIKES:
                 why = f"the broker dropped the connection on subscribing to it ({reason_code})"
@@ -279,7 +284,11 @@ class Bridge:
             return
         self._strikes.pop(topic, None)
         failures = [code for code in reason_code_list if code.is_failure]
-        if failures:
+        if failures and topic in {t for t, _ in _handlers}:
+            # The broker's access rules do not let this bridge hear devices: a deployment
+            # error, said loudly on every connect rather than struck off for good.
+            log.critical("bridge: the broker refused the device filter %r (%s)", topic, failures[0])
+        elif failures:
             self._refuse(topic, "broker", f"the broker refused the subscription ({failures[0]})")
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
@@ -388,11 +397,14 @@ class Bridge:
             if problem:
                 self._refuse(topic, "invalid", str(problem))
                 continue
-            with self._lock:
-                result, mid = self.client.subscribe(self._subscription(topic), qos=1)
-                if result == mqtt.MQTT_ERR_SUCCESS:
-                    self._pending[mid] = topic
-                    sent += 1
+            try:
+                with self._lock:
+                    result, mid = self.client.subscribe(self._subscription(topic), qos=1)
+                    if result == mqtt.MQTT_ERR_SUCCESS:
+                        self._pending[mid] = topic
+                        sent += 1
+            except ValueError as exc:  # paho's own check of the filter
+                self._refuse(topic, "invalid", str(exc))
         return sent
 
     def _refuse(self, topic: str, reason: str, why: str) -> None:

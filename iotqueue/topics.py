@@ -15,6 +15,9 @@ from django.utils.translation import gettext as _
 WILDCARDS = ("+", "#")
 # MQTT strings carry a two-byte length: a topic is at most 65535 bytes of UTF-8.
 TOPIC_MAX_BYTES = 65535
+# Mosquitto refuses a topic of more levels than this (its TOPIC_HIERARCHY_LIMIT) as malformed
+# and drops the client that sent it.
+TOPIC_MAX_LEVELS = 200
 # A shared subscription `$share/<group>/<filter>`: brokers strip the first two levels.
 SHARE_PREFIX = "$share/"
 
@@ -25,7 +28,7 @@ def topic_text_error(text: str) -> str | None:
     Mosquitto (and the MQTT spec, 1.5.3) treat a topic holding any of these as a malformed
     packet and drop the connection that sent it, so one such filter in a SUBSCRIBE deafens the
     whole client: NUL and other C0 controls, DEL and C1 controls, lone surrogates (text
-    that has no UTF-8 form), Unicode noncharacters, and more than 65535 bytes.
+    that has no UTF-8 form), Unicode noncharacters, more than 65535 bytes, and more than 200 levels.
     """
     try:
         size = len(text.encode("utf-8"))
@@ -35,6 +38,12 @@ def topic_text_error(text: str) -> str | None:
         return _("the topic is %(size)d bytes of UTF-8; MQTT allows at most %(limit)d") % {
             "size": size,
             "limit": TOPIC_MAX_BYTES,
+        }
+    levels = text.count("/") + 1
+    if levels > TOPIC_MAX_LEVELS:
+        return _("the topic has %(levels)d levels; the broker allows at most %(limit)d") % {
+            "levels": levels,
+            "limit": TOPIC_MAX_LEVELS,
         }
     for position, char in enumerate(text):
         problem = _character_error(ord(char))

@@ -71,8 +71,9 @@ def render(
 
 
 def json_size(value: Any) -> int:
-    """The bytes `value` takes as compact UTF-8 JSON (what a command's body carries)."""
-    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    """The bytes `value` takes as compact JSON, as a command's body carries it: ASCII, with
+    every other character escaped (`\\u00e9`, twice that for an emoji)."""
+    return len(json.dumps(value, separators=(",", ":")))
 
 
 class _Budget:
@@ -101,16 +102,16 @@ def _render(value: Any, context: dict[str, Any], budget: _Budget) -> Any:
         whole = REFERENCE_RE.fullmatch(value.strip())
         if whole:
             found = _lookup(whole.group(1), context)
-            budget.spend(len(found) if isinstance(found, str) else json_size(found))
+            budget.spend(json_size(found))
             return found
 
         def text(match: re.Match) -> str:
             found = _lookup(match.group(1), context)
             formatted = found if isinstance(found, str) else json.dumps(found)
-            budget.spend(len(formatted))
+            budget.spend(json_size(formatted))
             return formatted
 
-        budget.spend(len(REFERENCE_RE.sub("", value)))
+        budget.spend(json_size(REFERENCE_RE.sub("", value)))
         return REFERENCE_RE.sub(text, value)
     if isinstance(value, dict):
         return {key: _render(item, context, budget) for key, item in value.items()}

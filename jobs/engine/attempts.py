@@ -25,7 +25,7 @@ from devices.locks import device_lock_dequeue, device_lock_extend, device_lock_p
 
 from ..choices import DEFAULT_MAX_EXTEND_SECONDS
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
-from ..events import event_record
+from ..events import event_record, event_record_sampled
 from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 from .dispatch import dispatch_if_holding, step_acquire
 from .plan import LEASE_GRACE_SECONDS, is_task_row, step_holder, step_spec
@@ -107,8 +107,11 @@ def attempt_end(*, step_run: StepRun, command_id: str, **how: Any) -> bool:
             pk=step_run.pk, command_id=command_id, fence=step_run.fence, status__in=STEP_IN_FLIGHT
         ).update(**outcome.changes)
         if not ended:
-            event_record(
-                "reply.stale", step_run=step_run, message="outcome for an attempt that already ended"
+            event_record_sampled(
+                "reply.stale",
+                device=step_run.device_name,
+                step_run=step_run,
+                message="outcome for an attempt that already ended",
             )
             return False
         for field, value in outcome.changes.items():
@@ -186,8 +189,9 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
             if is_task_row(step_run)
             else (f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s")
         )
-        event_record(
+        event_record_sampled(
             "step.extend_refused",
+            device=step_run.device_name,
             step_run=step_run,
             message=f"asked for {seconds:g}s more; {why}; deadline unchanged",
             extend_seconds=seconds,
@@ -198,7 +202,12 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
         pk=step_run.pk, command_id=command_id, status__in=STEP_IN_FLIGHT, deadline__gt=now
     ).update(deadline=deadline)
     if not moved:
-        event_record("reply.stale", step_run=step_run, message="extend_seconds after the attempt's deadline")
+        event_record_sampled(
+            "reply.stale",
+            device=step_run.device_name,
+            step_run=step_run,
+            message="extend_seconds after the attempt's deadline",
+        )
         return False
     step_run.deadline = deadline
     deadlines_set({Deadline.of("done", step_run): deadline})
@@ -208,8 +217,9 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
         fence=step_run.fence,
         lease_seconds=(deadline - now).total_seconds() + LEASE_GRACE_SECONDS,
     )
-    event_record(
+    event_record_sampled(
         "step.extended",
+        device=step_run.device_name,
         step_run=step_run,
         message=f"deadline moved to {deadline.isoformat()} (+{seconds:g}s asked)",
         extend_seconds=seconds,

@@ -97,3 +97,20 @@ def test_nobody_adds_a_token_in_the_admin_which_would_show_its_key():
     client.force_login(User.objects.create_superuser("admin", "a@example.com", "pw"))
 
     assert client.get(f"{CHANGELIST}add/").status_code == 403
+
+
+def test_the_bulk_delete_whose_confirmation_lists_keys_is_not_offered(admin_token):
+    # given a staff user who may delete tokens
+    deleter = staff_client("deleter", "view_tokenproxy", "delete_tokenproxy")
+
+    # when it asks for Django's bulk delete, whose confirmation page lists each token's text
+    answer = deleter.post(
+        CHANGELIST,
+        {"action": "delete_selected", "select_across": "1", ACTION_CHECKBOX_NAME: [str(admin_token.user_id)]},
+        follow=True,
+    )
+
+    # then there is no such action, and no key on any page
+    assert 'value="delete_selected"' not in deleter.get(CHANGELIST).text
+    assert admin_token.key not in answer.text
+    assert Token.objects.filter(pk=admin_token.pk).exists()

@@ -133,6 +133,26 @@ def test_a_filter_the_broker_drops_the_connection_over_twice_is_refused():
     assert sent == ["site/+/opened"]
 
 
+def test_a_device_filter_waiting_when_the_connection_drops_is_never_struck_off():
+    # given a bridge whose device filters are still unanswered when the network blips, twice
+    bridge.handler_register("iotqueue/+/done", handler("replies"))
+    subject = refreshed(lambda: {"site/+/opened": RULE})
+    sent: list[str] = []
+    subject.client.subscribe = lambda topic, qos: sent.append(topic) or (mqtt.MQTT_ERR_SUCCESS, len(sent))
+    success = ReasonCode(mqtt.PacketTypes.CONNACK, "Success")
+    for _ in range(bridge.SUBSCRIBE_STRIKES + 1):
+        sent.clear()
+        subject._on_connect(subject.client, None, {}, success, None)
+        subject._on_disconnect(
+            subject.client, None, {}, ReasonCode(mqtt.PacketTypes.DISCONNECT, "Keep alive timeout"), None
+        )
+
+    # then every device filter is subscribed again on the next connection
+    sent.clear()
+    subject._on_connect(subject.client, None, {}, success, None)
+    assert "iotqueue/+/done" not in subject.refused and "iotqueue/+/done" in sent
+
+
 def test_a_filter_the_broker_refuses_in_its_suback_is_recorded():
     subject = refreshed(lambda: {"site/+/opened": RULE})
     subject.client.subscribe = lambda topic, qos: (mqtt.MQTT_ERR_SUCCESS, 41)

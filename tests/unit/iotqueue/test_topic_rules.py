@@ -25,6 +25,7 @@ BAD_TEXT = [
     "nonchar/\U0010ffff",
     "a" * (TOPIC_MAX_BYTES + 1),
     "é" * (TOPIC_MAX_BYTES // 2 + 1),  # few characters, too many bytes
+    "a/" * 200 + "b",  # 201 levels: Mosquitto's TOPIC_HIERARCHY_LIMIT is 200
 ]
 
 GOOD_NAMES = [
@@ -38,6 +39,7 @@ GOOD_NAMES = [
     "nbsp\xa0ok",  # U+00A0 is the first code point after C1
     "\ufdcf\ufdf0",  # either side of the noncharacter block
     "a" * TOPIC_MAX_BYTES,
+    "a/" * 199 + "b",  # 200 levels
 ]
 
 GOOD_FILTERS = [

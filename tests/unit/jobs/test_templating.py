@@ -124,6 +124,7 @@ def test_a_render_within_its_limit_is_the_full_render():
 
 
 def test_the_limit_counts_the_bytes_of_the_json_result():
-    # 10 two-byte characters are 20 bytes as UTF-8, plus the JSON around them
+    # a command goes out as ASCII JSON: 10 x "é" is 60 bytes there (\u00e9 each), not 10
     with pytest.raises(TemplateError, match="IOTQUEUE_COMMAND_MAX_BYTES"):
-        render({"a": "{{ params.s }}"}, {"params": {"s": "é" * 10}}, limit=20)
+        render({"a": "{{ params.s }}"}, {"params": {"s": "é" * 10}}, limit=60)
+    assert render({"a": "{{ params.s }}"}, {"params": {"s": "é" * 10}}, limit=70) == {"a": "é" * 10}
