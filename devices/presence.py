@@ -8,7 +8,7 @@ from datetime import timedelta
 from django.dispatch import Signal
 from django.utils import timezone
 
-from iotqueue.budget import message_drop_note
+from iotqueue.budget import MessageBudget, message_drop_note
 
 from . import protocol
 from .models import Device
@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 # Heartbeats only refresh last_seen; writing the row on every beat of 10,000 devices
 # would be wasted I/O, so a row is written at most once per this interval.
 LAST_SEEN_WRITE_INTERVAL = timedelta(seconds=15)
+# Status and heartbeat messages a device may send before the bridge stops touching the
+# database for them: each costs an UPDATE on the bridge's network thread (and a status
+# change a Celery task), so a device repeating them must not slow the bridge down for
+# everyone. Real firmware sends a status per connection and a heartbeat every few seconds.
+PRESENCE_MESSAGES_PER_SECOND = 1.0
+PRESENCE_BURST = 10
+presence_budget = MessageBudget(rate=PRESENCE_MESSAGES_PER_SECOND, burst=PRESENCE_BURST)
 
 
 # Sent (with name= and online=) when a device's presence actually changes; the jobs app
@@ -51,6 +58,10 @@ def presence_message_handle(topic: str, payload: bytes) -> None:
     if parsed is None:
         return
     name, kind = parsed
+    if (payload or kind == "heartbeat") and not presence_budget.admit(name):
+        why = f"{kind} over {PRESENCE_MESSAGES_PER_SECOND:g} a second; not applied"
+        message_drop_note(device=name, reason=why, message=why, topic=topic, size=len(payload))
+        return
     if kind == "heartbeat":
         device_seen(name=name)
         return

@@ -55,10 +55,16 @@ class MessageBudget:
         self._clock = clock
         self._buckets: dict[str, list[float]] = {}  # key -> [tokens, when they were counted]
         self._lock = threading.Lock()
+        # Idle buckets are forgotten by `admit` itself now and then, so a budget nobody
+        # sweeps (a handler's own) stays as small as the set of devices that talk.
+        self._next_sweep = clock() + BUCKET_IDLE_SECONDS
 
     def admit(self, key: str) -> bool:
         """Take one token from `key`'s bucket; False (and nothing taken) when it is empty."""
         now = self._clock()
+        if now >= self._next_sweep:
+            self._next_sweep = now + BUCKET_IDLE_SECONDS
+            self.idle_forget()
         with self._lock:
             bucket = self._buckets.get(key)
             if bucket is None:

@@ -131,6 +131,14 @@ def poison_drop(item: tuple[str | None, object], exc: Exception) -> None:
     device, subject = item
     what = f"{type(exc).__name__}: {exc}".encode("ascii", "backslashreplace").decode()[:300]
     log.error("inbox: an input failed alone and is dropped: %r", item, exc_info=exc)
+    try:
+        _poison_record(device, subject, what)
+    except Exception:
+        # The drop stands (the rest of the batch is applied); only its record is missing.
+        log.exception("inbox: recording the dropped input %r failed", item)
+
+
+def _poison_record(device: str | None, subject: object, what: str) -> None:
     if device is not None:
         reply = subject
         command = reply.command_id.encode("ascii", "backslashreplace").decode()[:200]
@@ -140,7 +148,9 @@ def poison_drop(item: tuple[str | None, object], exc: Exception) -> None:
             message=f"{reply.kind} for command {command} could not be applied ({what}); dropped",
         )
         return
-    run = JobRun.objects.filter(pk=subject).first()
+    # Only a run that never started is failed: one that did (the failure came after its
+    # commit) goes on, and the monitor looks after it.
+    run = JobRun.objects.filter(pk=subject, status=RunStatus.PENDING).first()
     if run is not None:
         run_finish(run=run, status=RunStatus.FAILED, error=f"the run could not be started ({what})")
 

@@ -36,10 +36,26 @@ def test_idle_buckets_are_forgotten():
     clock = Clock()
     subject = budget.MessageBudget(rate=1, burst=2, clock=clock)
     subject.admit("gone")
-    clock.now += budget.BUCKET_IDLE_SECONDS + 1
+    clock.now += budget.BUCKET_IDLE_SECONDS / 2
     subject.admit("here")
+    clock.now += budget.BUCKET_IDLE_SECONDS / 2 + 1
 
     assert subject.idle_forget() == 1 and len(subject) == 1
+
+
+def test_a_budget_nobody_sweeps_forgets_idle_buckets_itself():
+    # given a budget whose owner never calls idle_forget, and many devices that went quiet
+    clock = Clock()
+    subject = budget.MessageBudget(rate=1, burst=2, clock=clock)
+    for n in range(1000):
+        subject.admit(f"device-{n}")
+    clock.now += budget.BUCKET_IDLE_SECONDS + 1
+
+    # when one more device talks
+    subject.admit("here")
+
+    # then the quiet ones are gone
+    assert len(subject) == 1
 
 
 def test_a_budget_needs_a_positive_rate():
