@@ -72,6 +72,12 @@ NETWORK_THREAD_EXIT_CODE = 70
 # this many times in a row is the broker's objection (Mosquitto disconnects over a malformed
 # filter): it is refused from then on. Twice, so one broker restart mid-subscribe is not.
 SUBSCRIBE_STRIKES = 2
+# After each connection, devices' budgets hold this many times their burst for this long:
+# the broker replays at once what it kept for the bridge's session while it was away (a
+# device with a long flash reporting progress every second has hundreds queued after a few
+# minutes), which must not be taken for a flood and dropped, its `done` with it.
+RECONNECT_SURGE_SECONDS = 60.0
+RECONNECT_SURGE_FACTOR = 10.0
 
 # What became of each message the bridge received. The bridge counts what it decides
 # itself; apps add the outcomes their handlers decide (`family_values_add`).
@@ -251,6 +257,8 @@ class Bridge:
         with self._lock:
             self._pending.clear()
             topics = [t for t, _ in _handlers] + list(self._dynamic)
+        # The broker now delivers what it kept for this session while the bridge was away.
+        self.budget.surge(seconds=RECONNECT_SURGE_SECONDS, factor=RECONNECT_SURGE_FACTOR)
         try:
             sent = self._subscribe(topics)
             log.info("bridge: connected, subscribed to %d topic filters", sent)

@@ -58,6 +58,7 @@ class MessageBudget:
         # Idle buckets are forgotten by `admit` itself now and then, so a budget nobody
         # sweeps (a handler's own) stays as small as the set of devices that talk.
         self._next_sweep = clock() + BUCKET_IDLE_SECONDS
+        self._surge_until, self._surge_burst = 0.0, burst
 
     def admit(self, key: str) -> bool:
         """Take one token from `key`'s bucket; False (and nothing taken) when it is empty."""
@@ -65,18 +66,27 @@ class MessageBudget:
         if now >= self._next_sweep:
             self._next_sweep = now + BUCKET_IDLE_SECONDS
             self.idle_forget()
+        burst = self._surge_burst if now < self._surge_until else self.burst
         with self._lock:
             bucket = self._buckets.get(key)
             if bucket is None:
-                self._buckets[key] = [self.burst - 1, now]
+                self._buckets[key] = [burst - 1, now]
                 return True
-            tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            tokens = min(burst, bucket[0] + (now - bucket[1]) * self.rate)
             bucket[1] = now
             if tokens < 1:
                 bucket[0] = tokens
                 return False
             bucket[0] = tokens - 1
             return True
+
+    def surge(self, *, seconds: float, factor: float) -> None:
+        """For the next `seconds`, buckets hold up to `factor` times the burst: what a device
+        sent while nobody read it (a bridge away, restarting) arrives at once, and is its
+        normal rate spread over the time it waited, not a flood. The time away is credited
+        as it would have been, up to that larger burst."""
+        self._surge_until = self._clock() + seconds
+        self._surge_burst = self.burst * factor
 
     def idle_forget(self) -> int:
         """Forget buckets untouched for BUCKET_IDLE_SECONDS; how many were forgotten."""

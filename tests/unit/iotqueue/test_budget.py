@@ -120,3 +120,23 @@ def test_summaries_go_to_every_sink_and_a_failing_sink_does_not_stop_the_others(
 
     assert budget.drop_summaries_report(tally) == 1
     assert [s.device for s in received] == ["flood"]
+
+
+def test_after_a_reconnect_what_a_device_sent_meanwhile_is_admitted_not_taken_for_a_flood():
+    # given a device that used its burst, then the bridge was away ten minutes
+    clock = Clock()
+    subject = budget.MessageBudget(rate=1, burst=10, clock=clock)
+    while subject.admit("flashing"):
+        pass
+    clock.now += 600
+
+    # when the bridge reconnects and the broker replays 100 queued messages at once
+    subject.surge(seconds=60, factor=10)
+    admitted = sum(subject.admit("flashing") for _ in range(100))
+
+    # then they pass (the time away is credited, up to ten bursts), and a flood still stops
+    assert admitted == 100
+    assert sum(subject.admit("flashing") for _ in range(100)) == 0
+    # and once the surge is over the burst is the normal one again
+    clock.now += 600
+    assert sum(subject.admit("flashing") for _ in range(100)) == 10
