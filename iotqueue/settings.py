@@ -110,6 +110,8 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    # Swagger UI and Redoc as the project's own static files: the API docs work offline.
+    "drf_spectacular_sidecar",
     "django_celery_beat",
     "iotqueue",
     "devices",
@@ -277,6 +279,11 @@ SPECTACULAR_SETTINGS = {
         "RunStatusEnum": "jobs.models.RunStatus",
         "StepStatusEnum": "jobs.models.StepStatus",
     },
+    # /api/docs/ and /api/docs/redoc/ load their scripts from our static files, not a CDN,
+    # so they work on a network without internet (drf-spectacular-sidecar).
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Request limits ------------------------------------------------------------------------
