@@ -14,6 +14,7 @@ from django.http import Http404, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
+from django.utils.translation import gettext as _
 
 from devices.models import DeviceGroup, labels_validate
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES, json_text_parse
@@ -41,6 +42,9 @@ class JobStepFormSet(BaseInlineFormSet):
     """Checks across steps (references to earlier steps, unique names) on save."""
 
     def clean(self) -> None:
+        # Before Django's own uniqueness check, which raises over a duplicate position with a
+        # message on the whole row: the step rows say which position is wrong, and why.
+        positions_valid = self._positions_valid()
         super().clean()
         steps = [
             form.instance
@@ -50,6 +54,8 @@ class JobStepFormSet(BaseInlineFormSet):
         limit = settings.IOTQUEUE_TEMPLATE_MAX_STEPS
         if len(steps) > limit:
             raise ValidationError(f"A template has at most {limit} steps (IOTQUEUE_TEMPLATE_MAX_STEPS).")
+        if not positions_valid:
+            return  # the checks across steps need each step's place
         errors = template_errors(steps)
         if errors:
             raise ValidationError(
@@ -59,6 +65,27 @@ class JobStepFormSet(BaseInlineFormSet):
                     for field, message in fields.items()
                 ]
             )
+
+    def _positions_valid(self) -> bool:
+        """Each kept step has a position of its own; else the error is on its Position field."""
+        seen: dict[int, int] = {}
+        valid = True
+        for number, form in enumerate(self.forms):
+            data = getattr(form, "cleaned_data", None)
+            if not data or data.get("DELETE"):
+                continue
+            position = data.get("position")
+            if position is None:
+                if "position" not in form.errors:
+                    form.add_error("position", _("Give the step a position: 0, 1, 2, … in running order."))
+                valid = False
+            elif position in seen:
+                message = _("Position %(position)d is already taken by step row %(row)d.")
+                form.add_error("position", message % {"position": position, "row": seen[position] + 1})
+                valid = False
+            else:
+                seen[position] = number
+        return valid
 
 
 class JobStepInline(admin.StackedInline):

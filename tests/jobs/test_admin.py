@@ -533,3 +533,26 @@ def test_admin_forms_refuse_json_nested_too_deep_instead_of_a_500(client, boss, 
     device.refresh_from_db()
     assert device.config == {}
     assert not JobRun.objects.exists()
+
+
+def test_blank_or_duplicate_step_positions_are_field_errors_not_a_500(client, boss):
+    # given two new step rows left with a blank Position (new rows start blank), or the same one
+    gate = DeviceFactory()
+    blank = [
+        {"position": "", "device": gate.pk, "action": "a"},
+        {"position": "", "device": gate.pk, "action": "b"},
+    ]
+    twice = [
+        {"position": 3, "device": gate.pk, "action": "a"},
+        {"position": 3, "device": gate.pk, "action": "b"},
+    ]
+
+    for name, steps in (("Blank-positions", blank), ("Same-position", twice)):
+        # when the template is saved
+        response = client.post("/admin/jobs/jobtemplate/add/", template_form(name, steps))
+
+        # then the form comes back with the error on the step's position, and nothing is saved
+        assert response.status_code == 200
+        forms = response.context["inline_admin_formsets"][0].formset.forms
+        assert all(form.errors.get("position") for form in forms[-1:]), [f.errors for f in forms]
+        assert not JobStep.objects.filter(template__name=name).exists()
