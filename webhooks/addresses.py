@@ -193,19 +193,10 @@ def _resolve(host: str, port: int) -> list[IPAddress]:
 def url_check(url: str) -> None:
     """The save-time check: raises AddressRefused when the URL's host is a refused name, a
     refused address, or resolves to one. A host that does not resolve (yet) passes."""
-    _, host, port = _parts(url)
-    refusal = _name_refusal(host)
-    if refusal:
-        raise AddressRefused(refusal)
-    literal = _literal(host)
     try:
-        addresses = [literal] if literal is not None else _resolve(host, port)
-    except (OSError, UnicodeError):
+        target_resolve(url)
+    except HostUnresolved:
         return
-    for address in addresses:
-        refusal = address_refusal(address)
-        if refusal:
-            raise AddressRefused(refusal)
 
 
 def target_resolve(url: str) -> Target:
