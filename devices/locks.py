@@ -411,23 +411,37 @@ def device_lock_states(devices: list[str]) -> dict[str, LockState]:
     """
     with lock_redis_connection().pipeline(transaction=False) as pipe:
         for device in devices:
-            k = _keys(device)
-            pipe.hgetall(k["lock"])
-            pipe.zscore(k["leases"], device)
-            pipe.zrange(k["queue"], 0, -1)
+            device_lock_state_read(device, pipe=pipe)
         replies = pipe.execute()
-    states = {}
-    for i, device in enumerate(devices):
-        lock, lease, queue = replies[3 * i : 3 * i + 3]
-        states[device] = LockState(
-            device=device,
-            holder=lock.get("holder"),
-            fence=int(lock["fence"]) if "fence" in lock else None,
-            since_ms=int(lock["since"]) if "since" in lock else None,
-            lease_until_ms=int(lease) if lease is not None else None,
-            queue=list(queue),
-        )
-    return states
+    n = LOCK_STATE_REPLIES
+    parsed = (device_lock_state_parse(device, replies[n * i : n * i + n]) for i, device in enumerate(devices))
+    return {state.device: state for state in parsed}
+
+
+# Replies `device_lock_state_read` adds to a pipeline, per device.
+LOCK_STATE_REPLIES = 3
+
+
+def device_lock_state_read(device: str, *, pipe: Any) -> None:
+    """Queue the reads of a device's lock state on `pipe` (a pipeline of the lock Redis),
+    so a caller reading other keys too stays at one round trip; `device_lock_state_parse`
+    turns its LOCK_STATE_REPLIES replies into a LockState. Reads only."""
+    k = _keys(device)
+    pipe.hgetall(k["lock"])
+    pipe.zscore(k["leases"], device)
+    pipe.zrange(k["queue"], 0, -1)
+
+
+def device_lock_state_parse(device: str, replies: Sequence[Any]) -> LockState:
+    lock, lease, queue = replies
+    return LockState(
+        device=device,
+        holder=lock.get("holder"),
+        fence=int(lock["fence"]) if "fence" in lock else None,
+        since_ms=int(lock["since"]) if "since" in lock else None,
+        lease_until_ms=int(lease) if lease is not None else None,
+        queue=list(queue),
+    )
 
 
 # Keys SCAN returns per round trip: large enough that 10,000 devices take a few dozen trips.

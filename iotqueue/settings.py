@@ -380,6 +380,10 @@ IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS = env.float("IOTQUEUE_ORPHAN_EVENT_RETENTIO
 # first one waited the max wait. At low load a reply waits only the idle time (a done not
 # at all: it sends its group at once); under load groups grow, and a worker takes up to
 # this many groups into one transaction.
+# A run is stuck (the dashboard's list, jobs/waiting.py runs_stuck) when its oldest unfinished
+# step has waited longer than this: five minutes is past any hand-off, retry or flow-control
+# pause of a healthy fleet, and short enough to catch an offline device before its queue timeout.
+IOTQUEUE_STUCK_AFTER_SECONDS = env.float("IOTQUEUE_STUCK_AFTER_SECONDS", default=300.0)
 IOTQUEUE_REPLY_BATCH_MAX = env.int("IOTQUEUE_REPLY_BATCH_MAX", default=64)
 IOTQUEUE_REPLY_BATCH_IDLE_MS = env.float("IOTQUEUE_REPLY_BATCH_IDLE_MS", default=1.0)
 IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS = env.float("IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS", default=3.0)

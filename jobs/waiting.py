@@ -1,0 +1,465 @@
+"""Why a step or a run waits: a reason computed from the rows and the lock state, never stored.
+
+Every unfinished step row is waiting for something: its device to come online, the device's
+lock (held by another run's step, with this step's place in the queue), flow control's next
+allowed send, the rollout rate, a delay, a back-off before the next attempt, or the device's
+`done`. `steps_waiting` / `runs_waiting` answer for a page of rows or runs with a fixed
+number of queries and one pipeline to the lock Redis (lock holders and queues, the
+deadlines that say when flow control, a rollout or a back-off lets the step go on); nothing
+here writes. `runs_stuck` lists the runs whose oldest unfinished step has waited past
+IOTQUEUE_STUCK_AFTER_SECONDS.
+
+How it fails: Redis being unreachable raises redis.RedisError to the caller (a page shows
+no reasons rather than wrong ones). Rows and Redis are read at slightly different moments,
+so a step that moves on while it is read may show the reason it just left; the next read
+is right again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, Min, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from devices.locks import LOCK_STATE_REPLIES, LockState, device_lock_state_parse, device_lock_state_read
+from iotqueue.redis_conn import lock_redis_connection
+
+from .deadlines import Deadline, deadlines_key
+from .engine.plan import holder_step_id, spec_kind, step_holder, step_spec
+from .models import STEP_AT_WORK, STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+
+# Rows with something still to come: at work, or a fan-out's device not started yet.
+UNFINISHED = (StepStatus.PENDING, *STEP_AT_WORK)
+# Runs that can wait: not started yet, going forward, or rolling back.
+RUN_WAITING = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.COMPENSATING)
+
+# The reason codes, what each means (docs/operations.md has the same table).
+REASONS = {
+    "run_pending": "the run was created and no worker has started it yet",
+    "run_advancing": "the run is between two steps (the next one is being started)",
+    "device_offline": "the step's device is offline; the step waits (up to its queue timeout)",
+    "device_disabled": "the step's device was disabled after the step was queued",
+    "device_busy": "another run's step holds the device's lock; this step waits in its queue",
+    "flow_control": "the step holds the lock; the device's flow limits say when it may be sent",
+    "dispatching": "the device's lock is free or handed to this step: it is being sent now",
+    "rollout_rate": "a fan-out's device not started yet: the rollout rate starts it later",
+    "rollout_in_flight": "a fan-out's device not started yet: max in flight devices are at work",
+    "delay": "a delay step, over at a known time",
+    "wait_online": "a wait-for-online step: its device is not online yet",
+    "task_step": "a task step's Celery task is running",
+    "device_working": "the command was sent; the device's done is awaited (up to the deadline)",
+    "retry_backoff": "an attempt failed; the next one starts after the back-off",
+}
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a step (or a run, through its oldest unfinished step) waits for."""
+
+    reason: str  # a code of REASONS
+    message: str  # for people, in the active language
+    device: str | None = None
+    since: datetime | None = None  # when the condition began (offline since, queued, sent)
+    until: datetime | None = None  # when it may go on, if known
+    blocking_run: uuid.UUID | None = None  # the device is busy with this run...
+    blocking_step: int | None = None  # ...at this step index
+    queue_position: int | None = None  # this step's place in the device's lock queue (1 = next)
+    step: int | None = None  # the index of the step that waits (for a run's waiting)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "message": self.message,
+            "device": self.device,
+            "since": self.since.isoformat() if self.since else None,
+            "until": self.until.isoformat() if self.until else None,
+            "blocking_run": str(self.blocking_run) if self.blocking_run else None,
+            "blocking_step": self.blocking_step,
+            "queue_position": self.queue_position,
+            "step": self.step,
+        }
+
+
+@dataclass(frozen=True)
+class StuckRun:
+    """A run whose oldest unfinished step has waited `waited`, and why."""
+
+    run: JobRun
+    waiting: Waiting
+    waited: timedelta
+
+
+# --- reading what the reasons need, for many rows at once ---------------------------------
+
+
+@dataclass
+class _Facts:
+    """What the rows' reasons need from the database and Redis, read once for all rows."""
+
+    locks: dict[str, LockState] = field(default_factory=dict)
+    # deadline member -> due time (dispatch: flow control; pump: the rollout's next device)
+    due: dict[str, datetime] = field(default_factory=dict)
+    # (run id, index) of a fan-out -> (rows at work, first pending row's pk)
+    fanouts: dict[tuple[uuid.UUID, int], tuple[int, int | None]] = field(default_factory=dict)
+    # step row pk -> (run id, index) of the holders of the devices' locks
+    holders: dict[int, tuple[uuid.UUID, int]] = field(default_factory=dict)
+
+
+def _needs_lock(row: StepRun) -> bool:
+    return (
+        row.status == StepStatus.QUEUED
+        and row.device_id is not None
+        and row.device.reachable
+        and row.device.enabled
+        and step_spec(row).get("kind") != StepKind.WAIT_ONLINE
+    )
+
+
+def _facts_read(rows: Sequence[StepRun]) -> _Facts:
+    """Two queries at most (fan-out counts, lock holders' rows) and one Redis pipeline."""
+    facts = _Facts()
+    fanout_keys = {(row.run_id, row.index) for row in rows if row.status == StepStatus.PENDING}
+    if fanout_keys:
+        runs = {run_id for run_id, _index in fanout_keys}
+        counted = (
+            StepRun.objects.filter(
+                run_id__in=runs,
+                phase=Phase.FORWARD,
+                index__in={index for _run, index in fanout_keys},
+                status__in=UNFINISHED,
+            )
+            .order_by()
+            .values_list("run_id", "index")
+            .annotate(
+                at_work=Count("pk", filter=Q(status__in=STEP_AT_WORK)),
+                first=Min("pk", filter=Q(status=StepStatus.PENDING)),
+            )
+        )
+        facts.fanouts = {(r, i): (n, first) for r, i, n, first in counted if (r, i) in fanout_keys}
+    devices = sorted({row.device.name for row in rows if _needs_lock(row)})
+    members = [Deadline.of("dispatch", row) for row in rows if _needs_lock(row)]
+    members += [Deadline("pump", first, 0) for _count, first in facts.fanouts.values() if first is not None]
+    if not devices and not members:
+        return facts
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for device in devices:
+            device_lock_state_read(device, pipe=pipe)
+        for deadline in members:
+            pipe.zscore(deadlines_key(deadline.shard), deadline.member)
+        replies = pipe.execute()
+    n = LOCK_STATE_REPLIES
+    facts.locks = {d: device_lock_state_parse(d, replies[n * i : n * i + n]) for i, d in enumerate(devices)}
+    scores = replies[n * len(devices) :]
+    facts.due = {
+        d.member: datetime.fromtimestamp(score / 1000, UTC)
+        for d, score in zip(members, scores, strict=True)
+        if score is not None
+    }
+    held = {holder_step_id(s.holder) for s in facts.locks.values() if s.holder}
+    held.discard(None)
+    if held:
+        facts.holders = {
+            pk: (run_id, index)
+            for pk, run_id, index in StepRun.objects.filter(pk__in=held).values_list("pk", "run_id", "index")
+        }
+    return facts
+
+
+# --- the reasons ---------------------------------------------------------------------------
+
+
+def clock(when: datetime | None, *, now: datetime | None = None) -> str:
+    """A time for a sentence: 14:02:11, with the date when it is not today."""
+    if when is None:
+        return "-"
+    local = timezone.localtime(when)
+    today = timezone.localtime(now or timezone.now()).date()
+    return local.strftime("%H:%M:%S" if local.date() == today else "%Y-%m-%d %H:%M:%S")
+
+
+def _offline(row: StepRun, now: datetime) -> Waiting:
+    device = row.device
+    if device.last_seen is None:
+        message = _("Device %(device)s is offline (never seen online)") % {"device": device.name}
+    else:
+        message = _("Device %(device)s is offline since %(since)s") % {
+            "device": device.name,
+            "since": clock(device.last_seen, now=now),
+        }
+    if row.status in STEP_IN_FLIGHT:
+        message += " " + _("(it went offline during the attempt; the deadline at %(until)s decides)") % {
+            "until": clock(row.deadline, now=now)
+        }
+    return Waiting(
+        "device_offline",
+        message,
+        device=device.name,
+        since=device.last_seen or row.queued_at,
+        until=row.deadline if row.status in STEP_IN_FLIGHT else None,
+    )
+
+
+def _queued(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+    """A queued row: for presence, a disabled device, the lock, or flow control."""
+    if row.device_id is None:
+        return Waiting("dispatching", _("Being sent to its task"), since=row.queued_at)
+    device = row.device
+    if step_spec(row).get("kind") == StepKind.WAIT_ONLINE:
+        return _wait_online(row, now)
+    if not device.enabled:
+        return Waiting(
+            "device_disabled",
+            _("Device %(device)s is disabled") % {"device": device.name},
+            device=device.name,
+            since=row.queued_at,
+        )
+    if not device.reachable:
+        return _offline(row, now)
+    state = facts.locks.get(device.name)
+    holder = step_holder(row)
+    if state is None or state.holder is None or state.holder == holder:
+        until = facts.due.get(Deadline.of("dispatch", row).member)
+        if state is not None and state.holder == holder and until is not None:
+            return Waiting(
+                "flow_control",
+                _("Flow control on %(device)s: the next command may be sent at %(until)s")
+                % {"device": device.name, "until": clock(until, now=now)},
+                device=device.name,
+                since=row.queued_at,
+                until=until,
+            )
+        return Waiting(
+            "dispatching", _("Being sent to %(device)s") % {"device": device.name}, device=device.name
+        )
+    position = state.queue.index(holder) + 1 if holder in state.queue else None
+    blocker = facts.holders.get(holder_step_id(state.holder) or -1)
+    values = {"device": device.name, "position": position or "?", "holder": state.holder}
+    if blocker is not None:
+        values.update(run=str(blocker[0])[:8], step=blocker[1])
+        message = _(
+            "Device %(device)s is busy with run %(run)s step #%(step)s; this run is number "
+            "%(position)s in its queue"
+        )
+    else:
+        message = _(
+            "Device %(device)s is busy (held by %(holder)s); this run is number %(position)s in its queue"
+        )
+    return Waiting(
+        "device_busy",
+        message % values,
+        device=device.name,
+        since=row.queued_at,
+        blocking_run=blocker[0] if blocker else None,
+        blocking_step=blocker[1] if blocker else None,
+        queue_position=position,
+    )
+
+
+def _wait_online(row: StepRun, now: datetime) -> Waiting:
+    device = row.device
+    since = device.last_seen if not device.reachable else None
+    message = _("Waiting for device %(device)s to come online") % {"device": device.name}
+    if since is not None:
+        message += " " + _("(offline since %(since)s)") % {"since": clock(since, now=now)}
+    return Waiting(
+        "wait_online", message, device=device.name, since=since or row.queued_at, until=row.deadline
+    )
+
+
+def _pending(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+    """A fan-out's device not started yet: max in flight, or the rollout rate."""
+    at_work, first = facts.fanouts.get((row.run_id, row.index), (0, None))
+    spec = row.run.plan[row.index]
+    device = row.device_name or None
+    limit = spec.get("max_in_flight") or 0
+    if limit and at_work >= limit:
+        return Waiting(
+            "rollout_in_flight",
+            _("Rollout: %(count)s devices at work, the most this step allows at once") % {"count": at_work},
+            device=device,
+        )
+    until = facts.due.get(Deadline("pump", first, 0).member) if first is not None else None
+    if until is None:
+        message = _("Rollout: this device starts when the rollout rate allows")
+    else:
+        message = _("Rollout rate: the next device starts at %(until)s") % {"until": clock(until, now=now)}
+    return Waiting("rollout_rate", message, device=device, until=until)
+
+
+def _in_flight(row: StepRun, now: datetime) -> Waiting:
+    kind = spec_kind(step_spec(row))
+    if kind == StepKind.DELAY:
+        return Waiting(
+            "delay",
+            _("Delay until %(until)s") % {"until": clock(row.deadline, now=now)},
+            since=row.queued_at,
+            until=row.deadline,
+        )
+    if kind == StepKind.TASK:
+        return Waiting(
+            "task_step",
+            _("Waiting on task %(task)s (attempt %(attempt)s, deadline %(until)s)")
+            % {"task": row.action, "attempt": row.attempt, "until": clock(row.deadline, now=now)},
+            device=row.device_name or None,
+            since=row.dispatched_at,
+            until=row.deadline,
+        )
+    if not row.device.reachable:
+        return _offline(row, now)
+    values = {"device": row.device_name, "since": clock(row.dispatched_at, now=now)}
+    values["until"] = clock(row.deadline, now=now)
+    if row.status == StepStatus.IN_PROGRESS:
+        values["progress"] = row.progress or 0
+        message = _("Device %(device)s is working on it (%(progress)s%%); deadline %(until)s")
+    else:
+        message = _("Sent to %(device)s at %(since)s; waiting for its done (deadline %(until)s)")
+    return Waiting(
+        "device_working",
+        message % values,
+        device=row.device_name,
+        since=row.dispatched_at,
+        until=row.deadline,
+    )
+
+
+def _retrying(row: StepRun, now: datetime) -> Waiting:
+    return Waiting(
+        "retry_backoff",
+        _("Attempt %(attempt)s failed; the next one starts at %(until)s")
+        % {"attempt": row.attempt, "until": clock(row.deadline, now=now)},
+        device=row.device_name or None,
+        since=row.dispatched_at,
+        until=row.deadline,
+    )
+
+
+def _row_waiting(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+    if row.status == StepStatus.PENDING:
+        waiting = _pending(row, facts, now)
+    elif row.status == StepStatus.QUEUED:
+        waiting = _queued(row, facts, now)
+    elif row.status == StepStatus.RETRYING:
+        waiting = _retrying(row, now)
+    else:
+        waiting = _in_flight(row, now)
+    return replace(waiting, step=row.index)
+
+
+# --- public API ------------------------------------------------------------------------------
+
+
+def steps_waiting(steps: Iterable[StepRun], *, now: datetime | None = None) -> dict[int, Waiting]:
+    """What each unfinished row waits for, by row pk (finished rows are left out).
+
+    The rows need their run (with its plan) and device loaded, as `select_related("run",
+    "device")` or a prefetch from the run does. Two queries at most and one Redis pipeline,
+    however many rows.
+    """
+    now = now or timezone.now()
+    rows = [row for row in steps if row.status in UNFINISHED]
+    facts = _facts_read(rows)
+    return {row.pk: _row_waiting(row, facts, now) for row in rows}
+
+
+def step_waiting(step: StepRun, *, now: datetime | None = None) -> Waiting | None:
+    """What one step row waits for; None when it has finished."""
+    return steps_waiting([step], now=now).get(step.pk)
+
+
+def runs_current_rows(runs: Sequence[JobRun]) -> dict[uuid.UUID, StepRun]:
+    """Each run's oldest unfinished row (at work first, by queued time; else its first pending
+    fan-out row), with the run and device attached: two queries for any number of runs."""
+    if not runs:
+        return {}
+    rows = StepRun.objects.filter(run=OuterRef("pk"))
+    at_work = rows.filter(status__in=STEP_AT_WORK).order_by("queued_at", "pk").values("pk")[:1]
+    pending = rows.filter(status=StepStatus.PENDING).order_by("pk").values("pk")[:1]
+    current = dict(
+        JobRun.objects.filter(pk__in=[run.pk for run in runs])
+        .annotate(row=Coalesce(Subquery(at_work), Subquery(pending)))
+        .exclude(row=None)
+        .values_list("pk", "row")
+    )
+    if not current:
+        return {}
+    by_pk = {run.pk: run for run in runs}
+    loaded = {}
+    for row in StepRun.objects.select_related("device").filter(pk__in=current.values()):
+        row.run = by_pk[row.run_id]
+        loaded[row.run_id] = row
+    return loaded
+
+
+def runs_waiting(runs: Sequence[JobRun], *, now: datetime | None = None) -> dict[uuid.UUID, Waiting]:
+    """What each pending or running run waits for (its oldest unfinished step's reason), by
+    run id; finished runs are left out. Four queries at most and one Redis pipeline for a
+    page of runs, never one per run. The runs need their plan loaded."""
+    now = now or timezone.now()
+    active = [run for run in runs if run.status in RUN_WAITING]
+    current = runs_current_rows(active)
+    by_row = steps_waiting(current.values(), now=now)
+    waiting = {}
+    for run in active:
+        row = current.get(run.pk)
+        if row is not None:
+            waiting[run.pk] = by_row[row.pk]
+        elif run.status == RunStatus.PENDING:
+            waiting[run.pk] = Waiting(
+                "run_pending", _("Waiting for a worker to start the run"), since=run.created_at
+            )
+        else:
+            waiting[run.pk] = Waiting(
+                "run_advancing", _("Moving on to step #%(step)s") % {"step": run.cursor}, step=run.cursor
+            )
+    return waiting
+
+
+def stuck_after() -> timedelta:
+    return timedelta(seconds=settings.IOTQUEUE_STUCK_AFTER_SECONDS)
+
+
+def runs_stuck(
+    *, older_than: timedelta | None = None, limit: int = 50, now: datetime | None = None
+) -> list[StuckRun]:
+    """Pending and running runs whose oldest unfinished step has waited longer than
+    `older_than` (default IOTQUEUE_STUCK_AFTER_SECONDS), newest problem first, at most `limit`.
+
+    A step's wait is counted from when it was queued (a retried step: from its requeue); a
+    run that no worker has started, from its creation. Indexed reads only: the at-work rows
+    through the step status index (steprun_status_deadline: rows at work are a small part
+    of the table however many finished ones it holds), pending runs through
+    jobrun_status_created; then `runs_waiting` for the reasons.
+    """
+    now = now or timezone.now()
+    cutoff = now - (stuck_after() if older_than is None else older_than)
+    oldest = list(
+        StepRun.objects.filter(status__in=STEP_AT_WORK, queued_at__lt=cutoff, run__status__in=RUN_WAITING)
+        .order_by()
+        .values("run_id")
+        .annotate(oldest=Min("queued_at"))
+        .order_by("-oldest")
+        .values_list("run_id", "oldest")[:limit]
+    )
+    unstarted = list(
+        JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=cutoff)
+        .order_by("-created_at")
+        .values_list("pk", "created_at")[:limit]
+    )
+    since = dict(unstarted)
+    since.update(oldest)
+    chosen = sorted(since.items(), key=lambda item: item[1], reverse=True)[:limit]
+    runs = {
+        run.pk: run
+        for run in JobRun.objects.select_related("template").filter(pk__in=[pk for pk, _when in chosen])
+    }
+    found = [runs[pk] for pk, _when in chosen if pk in runs]
+    waiting = runs_waiting(found, now=now)
+    return [StuckRun(run, waiting[run.pk], now - since[run.pk]) for run in found if run.pk in waiting]
