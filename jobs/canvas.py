@@ -38,11 +38,13 @@ from celery.app.task import Context
 from celery.canvas import Signature
 from django.db import transaction
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from devices.models import Device
 
 from .events import event_run
 from .models import RUN_TERMINAL, CanvasLink, JobStep, JobTemplate, RunStatus, StepRun, Trigger
+from .parameters import parameters_missing, parameters_missing_message, template_parameters
 from .services import PLAN_FIELDS, RunStartError, run_start
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ STEP_OPTIONS = (
     "max_attempts",
     "backoff_seconds",
 )
+# The parameters a canvas command's run has: the previous link's return value (None first).
+CANVAS_PARAMETERS = ("previous",)
 # What of a task's request is kept to go on with later (Celery's own names).
 CONTINUATION_FIELDS = (
     "id",
@@ -85,11 +89,22 @@ def device_command(
     """A signature that sends `action` to `device` and returns the device's result.
 
     `step_options`: timeout_seconds, ack_timeout_seconds, queue_timeout_seconds,
-    max_attempts, backoff_seconds (as on a template step) and priority (0-9).
+    max_attempts, backoff_seconds (as on a template step) and priority (0-9). Args may read
+    `{{ params.previous… }}` (the previous link's result) and no other parameter: any other
+    raises ValueError here, before a canvas is sent or a run exists.
     """
     unknown = set(step_options) - {*STEP_OPTIONS, "priority"}
     if unknown:
         raise TypeError(f"device_command: unknown options {sorted(unknown)}")
+    needed = template_parameters([{"args": args or {}}])
+    missing = parameters_missing(needed, dict.fromkeys(CANVAS_PARAMETERS))
+    if missing:
+        # Found when the canvas is built, not when a worker parks it: no run could have them.
+        message = _(
+            "device_command: %(problem)s; a canvas command has one parameter, previous, "
+            "the previous link's result"
+        )
+        raise ValueError(message % {"problem": parameters_missing_message(missing)})
     name = device.name if isinstance(device, Device) else str(device)
     return signature(
         PARK_TASK, kwargs={"device": name, "action": action, "args": args or {}, "options": step_options}

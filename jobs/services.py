@@ -18,6 +18,7 @@ from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
 from .models import JobRun, JobStep, JobTemplate, TemplateVersion, Trigger
+from .parameters import parameters_problem
 from .rows import row_last, rows_create, rows_select
 from .versions import version_snapshot
 
@@ -149,6 +150,9 @@ def run_start(
     without one, e.g. in a shell). With an idempotency key that an earlier run already used,
     that run is returned and nothing new starts. `plan` runs these steps instead (a canvas
     command, jobs/canvas.py), filed under the template with no version.
+
+    Raises RunStartError naming the field at fault, before any row is written: among
+    others when `parameters` lack one the steps read (jobs/parameters.py).
     """
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
@@ -169,6 +173,10 @@ def run_start(
             plan = plan or template_version.steps
             if not plan:
                 raise RunStartError("template", f"template {template.name!r} has no steps")
+            # Before the run exists: a run that could only fail on its first reference is refused.
+            problem = parameters_problem(plan, parameters)
+            if problem:
+                raise RunStartError("parameters", problem)
             default_priority = (
                 template_version.default_priority if template_version else template.default_priority
             )

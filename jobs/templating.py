@@ -35,6 +35,25 @@ def references(value: Any) -> list[str]:
     return found
 
 
+def parameter_names(value: Any) -> list[str]:
+    """The run parameters a JSON value reads: NAME of each {{ params.NAME… }}, first use first.
+
+    Lenient where `references` is strict: a malformed reference is skipped (validation
+    reports it where it is written), so a plan stored before a check existed still answers.
+    """
+    names: list[str] = []
+    if isinstance(value, str):
+        for path in REFERENCE_RE.findall(value):
+            root, _dot, rest = path.partition(".")
+            name = rest.split(".")[0]
+            if root == "params" and name and name not in names:
+                names.append(name)
+    elif isinstance(value, dict | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            names.extend(name for name in parameter_names(item) if name not in names)
+    return names
+
+
 def _lookup(path: str, context: dict[str, Any]) -> Any:
     node: Any = context
     for part in path.split("."):

@@ -4,13 +4,14 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import OuterRef, Subquery
+from django.utils.translation import gettext as _
 
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from jobs.permissions import user_may_start_runs
 
 from .models import Schedule, ScheduledRun, TriggerRule
 from .schedules import schedule_save
-from .validation import rule_errors, schedule_errors
+from .validation import parameters_errors, rule_errors, schedule_errors
 
 
 class StartsRunsAdmin(admin.ModelAdmin):
@@ -49,7 +50,11 @@ class ScheduleForm(forms.ModelForm):
             timezone=data.get("timezone") or "",
         )
         if not isinstance(data.get("parameters", {}), dict):
-            errors["parameters"] = "parameters must be a JSON object"
+            errors["parameters"] = _("parameters must be a JSON object")
+        elif "parameters" not in self.errors:
+            errors.update(
+                parameters_errors(template=data.get("template"), parameters=data.get("parameters", {}))
+            )
         if errors:
             raise ValidationError(errors)
         return data
@@ -130,6 +135,10 @@ class TriggerRuleForm(forms.ModelForm):
             parameters=data.get("parameters", {}),
             idempotency_key=data.get("idempotency_key") or "",
         )
+        if not errors and "parameters" not in self.errors:
+            errors.update(
+                parameters_errors(template=data.get("template"), parameters=data.get("parameters", {}))
+            )
         if errors:
             raise ValidationError(errors)
         return data

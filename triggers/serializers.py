@@ -12,7 +12,7 @@ from jobs.models import JobRun, JobTemplate
 
 from .models import Schedule, ScheduledRun, TriggerRule
 from .schedules import schedule_save
-from .validation import rule_errors, schedule_errors
+from .validation import parameters_errors, rule_errors, schedule_errors
 
 
 class LastRunSerializer(serializers.ModelSerializer):
@@ -72,6 +72,9 @@ class ScheduleSerializer(serializers.ModelSerializer):
             crontab=attrs["crontab"],
             timezone=current("timezone", "UTC"),
         )
+        errors.update(
+            parameters_errors(template=current("template", None), parameters=current("parameters", {}))
+        )
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})
         return attrs
@@ -128,6 +131,10 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
             parameters=current("parameters", {}),
             idempotency_key=current("idempotency_key", ""),
         )
+        if "topic_filter" not in errors and "parameters" not in errors:
+            errors.update(
+                parameters_errors(template=current("template", None), parameters=current("parameters", {}))
+            )
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})
         return attrs

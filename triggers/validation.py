@@ -16,6 +16,8 @@ from devices.models import Device
 from devices.topic_claims import device_topic_overlap_error
 from iotqueue import topics
 from iotqueue.topics import filters_overlap
+from jobs.models import JobTemplate
+from jobs.parameters import parameters_problem
 from jobs.templating import TemplateError, references
 
 from .models import TriggerRule
@@ -70,6 +72,16 @@ def schedule_errors(*, interval_seconds: int | None, crontab: str, timezone: str
     if problem:
         errors["timezone"] = problem
     return errors
+
+
+def parameters_errors(*, template: JobTemplate | None, parameters: Any) -> dict[str, str]:
+    """A schedule's or rule's parameters hold every one the template's steps read.
+
+    Checked on save against the template as it is then (jobs/parameters.py); `run_start`
+    checks again at each fire, since the template may have changed since.
+    """
+    problem = parameters_problem(template, parameters) if template is not None else ""
+    return {"parameters": problem} if problem else {}
 
 
 def topic_filter_error(topic_filter: str) -> str | None:

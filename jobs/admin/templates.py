@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
@@ -15,12 +18,14 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy, ngettext
 
 from devices.models import DeviceGroup, labels_validate
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES, json_text_parse
 
 from ..models import JobRun, JobStep, JobTemplate, Trigger
-from ..services import RunStartError, run_start, run_start_each, template_version_record
+from ..parameters import template_device_parameters, template_parameters
+from ..services import RunStartError, run_start, run_start_each, template_plan, template_version_record
 from ..validation import step_errors, template_errors
 from .display import run_url
 from .versions import TemplateVersionsAdminMixin, version_number_param, version_steps
@@ -53,14 +58,17 @@ class JobStepFormSet(BaseInlineFormSet):
         ]
         limit = settings.IOTQUEUE_TEMPLATE_MAX_STEPS
         if len(steps) > limit:
-            raise ValidationError(f"A template has at most {limit} steps (IOTQUEUE_TEMPLATE_MAX_STEPS).")
+            raise ValidationError(
+                _("A template has at most %(limit)d steps (IOTQUEUE_TEMPLATE_MAX_STEPS).") % {"limit": limit}
+            )
         if not positions_valid:
             return  # the checks across steps need each step's place
         errors = template_errors(steps)
         if errors:
             raise ValidationError(
                 [
-                    f"{label}, {field}: {message}"
+                    _("%(step)s, %(field)s: %(message)s")
+                    % {"step": label, "field": field, "message": message}
                     for label, fields in errors.items()
                     for field, message in fields.items()
                 ]
@@ -98,9 +106,12 @@ class JobStepInline(admin.StackedInline):
     autocomplete_fields = ["device", "group"]
     fieldsets = [
         (None, {"fields": [("position", "name", "kind"), ("action", "args")]}),
-        ("Target (exactly one)", {"fields": [("device", "device_param"), ("group", "labels", "selector")]}),
         (
-            "Timing and failure",
+            gettext_lazy("Target (exactly one)"),
+            {"fields": [("device", "device_param"), ("group", "labels", "selector")]},
+        ),
+        (
+            gettext_lazy("Timing and failure"),
             {
                 "fields": [
                     ("timeout_seconds", "ack_timeout_seconds", "queue_timeout_seconds", "delay_seconds"),
@@ -110,7 +121,7 @@ class JobStepInline(admin.StackedInline):
             },
         ),
         (
-            "Fan-out",
+            gettext_lazy("Fan-out"),
             {
                 "classes": ["collapse"],
                 "fields": [
@@ -132,38 +143,113 @@ def json_object_parse(text: str) -> dict:
     """A form field's JSON text as a dict; ValidationError saying what is wrong otherwise."""
     value = json_text_parse(text)
     if not isinstance(value, dict):
-        raise ValidationError('Must be a JSON object, e.g. {"level": 80}.')
+        raise ValidationError(_('Must be a JSON object, e.g. {"level": 80}.'))
     return value
 
 
+# Typed text that starts like JSON was meant as JSON: a mistake in it is reported, not sent as text.
+JSON_OPENERS = ("{", "[", '"')
+
+
+def parameter_value_parse(text: str, *, device: bool) -> Any:
+    """A parameter's input: JSON when it parses (80, true, [1, 2]), else the text as typed.
+
+    A device's name (device_param) is always text: a device called 7 stays "7".
+    """
+    if device:
+        return text
+    try:
+        return json_text_parse(text)
+    except ValidationError:
+        if text.lstrip().startswith(JSON_OPENERS):
+            raise
+        return text
+
+
+# Each parameter's input is named PARAMETER_PREFIX + its name, so that a parameter called
+# e.g. "priority" cannot take the place of the form's own field.
+PARAMETER_PREFIX = "param_"
+
+
 class RunNowForm(forms.Form):
-    """What an admin-started run gets; *for each* starts one run per matching device."""
+    """What an admin-started run gets; *for each* starts one run per matching device.
+
+    Each parameter the template's steps read (jobs/parameters.py) has an input of its own,
+    required unless the JSON object of `parameters` gives it (pasted from elsewhere);
+    `parameters` takes any others too.
+    """
 
     parameters = forms.CharField(
         required=False,
         initial="{}",
-        widget=forms.Textarea(attrs={"rows": 5, "cols": 60, "spellcheck": "false"}),
-        help_text='JSON object, e.g. {"door": 7}; steps read it as {{ params.door }}.',
+        label=gettext_lazy("Other parameters (JSON)"),
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60, "spellcheck": "false"}),
+        help_text=gettext_lazy(
+            'JSON object, e.g. {"door": 7}, for values too complex for a field above, or '
+            "parameters the steps do not read by name."
+        ),
     )
     priority = forms.IntegerField(
         required=False,
         min_value=0,
         max_value=9,
-        help_text="0 lowest .. 9 most urgent; empty: the template's.",
+        label=gettext_lazy("Priority"),
+        help_text=gettext_lazy("0 lowest .. 9 most urgent; empty: the template's."),
     )
     group = forms.ModelChoiceField(
         DeviceGroup.objects.all(),
         required=False,
         to_field_name="name",
-        label="For each device of group",
-        help_text="One run per enabled device; each run gets the device's name as parameter 'device'.",
+        label=gettext_lazy("For each device of group"),
+        help_text=gettext_lazy(
+            "One run per enabled device; each run gets the device's name as parameter 'device'."
+        ),
     )
     labels = forms.CharField(
         required=False,
-        label="For each device with labels",
+        label=gettext_lazy("For each device with labels"),
         widget=forms.TextInput(attrs={"size": 60, "spellcheck": "false"}),
-        help_text='JSON object, e.g. {"site": "berlin", "kind": "pump"}.',
+        help_text=gettext_lazy('JSON object, e.g. {"site": "berlin", "kind": "pump"}.'),
     )
+
+    def __init__(self, *args, needed: list[str], devices: set[str], **kwargs) -> None:
+        """`needed`: the parameters the steps read, in order; `devices`: those naming a device."""
+        super().__init__(*args, **kwargs)
+        self.needed, self.devices = needed, devices
+        # For each device: every run gets its device's name as "device", no input needed.
+        for_each = bool(self.data.get("group") or (self.data.get("labels") or "").strip())
+        in_json = self._json_names()
+        if not needed:
+            self.fields["parameters"].label = _("Parameters (JSON)")
+        for name in needed:
+            self.fields[PARAMETER_PREFIX + name] = forms.CharField(
+                label=name,
+                required=name not in in_json and not (for_each and name == "device"),
+                strip=True,
+                widget=forms.TextInput(attrs={"size": 40, "spellcheck": "false"}),
+                help_text=self._parameter_help(name),
+                error_messages={
+                    "required": _("The steps read {{ params.%(name)s }}: give it a value.") % {"name": name}
+                },
+            )
+
+    def _parameter_help(self, name: str) -> str:
+        if name in self.devices:
+            return _("The name of the device the steps address as device_param %(name)s.") % {"name": name}
+        return _(
+            "The steps read it as {{ params.%(name)s }}. JSON when it parses (80, true, [1, 2]), else text."
+        ) % {"name": name}
+
+    def _json_names(self) -> set[str]:
+        """The names the posted JSON object gives (none when it does not parse: its field says why)."""
+        try:
+            extra = json.loads(self.data.get("parameters") or "{}")
+        except (ValueError, RecursionError):
+            return set()
+        return set(extra) if isinstance(extra, dict) else set()
+
+    def parameter_fields(self) -> list[str]:
+        return [PARAMETER_PREFIX + name for name in self.needed]
 
     def clean_parameters(self) -> dict:
         return json_object_parse(self.cleaned_data["parameters"].strip() or "{}")
@@ -179,7 +265,22 @@ class RunNowForm(forms.Form):
     def clean(self) -> dict:
         data = super().clean()
         if data.get("group") and data.get("labels"):
-            raise ValidationError("For each device: choose a group or labels, not both.")
+            raise ValidationError(_("For each device: choose a group or labels, not both."))
+        given = {}
+        for name in self.needed:
+            field = PARAMETER_PREFIX + name
+            text = data.get(field)
+            if not text:
+                continue  # required ones are reported by their field; "device" comes from for-each
+            if name in data.get("parameters", {}):
+                self.add_error(field, _("Given twice, here and in the JSON object below: give it once."))
+                continue
+            try:
+                given[name] = parameter_value_parse(text, device=name in self.devices)
+            except ValidationError as exc:
+                self.add_error(field, exc)
+        if "parameters" in data:
+            data["parameters"] = {**data["parameters"], **given}
         return data
 
     def error_field(self, field: str) -> str | None:
@@ -203,7 +304,7 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(step_count=Count("steps"))
 
-    @admin.display(description="steps", ordering="step_count")
+    @admin.display(description=gettext_lazy("steps"), ordering="step_count")
     def step_count(self, template: JobTemplate) -> int:
         return template.step_count
 
@@ -215,7 +316,7 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
     @admin.display(description="")
     def run_now_link(self, template: JobTemplate) -> str:
         return format_html(
-            '<a href="{}">Run now…</a>', reverse("admin:jobs_jobtemplate_run", args=[template.pk])
+            '<a href="{}">{}</a>', reverse("admin:jobs_jobtemplate_run", args=[template.pk]), _("Run now…")
         )
 
     def has_run_permission(self, request) -> bool:
@@ -242,13 +343,16 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
         """*Run now*: a form for the run's parameters, priority and for-each target."""
         template = self.get_object(request, unquote(object_id))
         if template is None:
-            raise Http404(f"no template with id {object_id!r}")
+            raise Http404(_("no template with id %(id)r") % {"id": object_id})
         if not self.has_run_permission(request):
             raise PermissionDenied
         # "Run this version" on a version's page comes here with ?version=N.
         number = version_number_param(request, "version")
         version = None if number is None else self._version(template, number)
-        form = RunNowForm(request.POST or None)
+        plan = version.steps if version else template_plan(template)
+        form = RunNowForm(
+            request.POST or None, needed=template_parameters(plan), devices=template_device_parameters(plan)
+        )
         if request.method == "POST" and form.is_valid():
             try:
                 runs = self._runs_start(request, template, form.cleaned_data, version=version)
@@ -258,11 +362,22 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
                 return self._runs_started(request, template, runs)
         fieldsets = [
             (None, {"fields": ["parameters", "priority"]}),
-            ("For each device (optional)", {"fields": ["group", "labels"]}),
+            (_("For each device (optional)"), {"fields": ["group", "labels"]}),
         ]
+        if form.needed:
+            description = _("What the template's steps read: each is required.")
+            fieldsets.insert(
+                0, (_("Parameters"), {"fields": form.parameter_fields(), "description": description})
+            )
+        title = _("Run %(template)s") % {"template": template.name}
+        if version:
+            title = _("Run %(template)s, version %(number)d") % {
+                "template": template.name,
+                "number": version.number,
+            }
         context = {
             **self.admin_site.each_context(request),
-            "title": f"Run {template.name}" + (f", version {version.number}" if version else ""),
+            "title": title,
             "opts": self.opts,
             "original": template,
             "adminform": helpers.AdminForm(form, fieldsets, {}),
@@ -290,8 +405,11 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
 
     def _runs_started(self, request, template: JobTemplate, runs: list[JobRun]):
         if len(runs) == 1:
-            self.message_user(request, f"Started run {runs[0].pk}.", messages.SUCCESS)
+            self.message_user(request, _("Started run %(run)s.") % {"run": runs[0].pk}, messages.SUCCESS)
             return HttpResponseRedirect(run_url(runs[0].pk))
-        self.message_user(request, f"Started {len(runs)} runs, one per device.", messages.SUCCESS)
+        message = ngettext(
+            "Started %(count)d run, one per device.", "Started %(count)d runs, one per device.", len(runs)
+        )
+        self.message_user(request, message % {"count": len(runs)}, messages.SUCCESS)
         runs_list = reverse("admin:jobs_jobrun_changelist")
         return HttpResponseRedirect(f"{runs_list}?template__id__exact={template.pk}&trigger__exact=admin")
