@@ -510,18 +510,54 @@ class Simulator:
     ) -> None:
         """`passwords`: devices that log in as themselves (their broker identities); the
         others use the URL's credentials."""
-        for name in devices:
-            if not protocol.DEVICE_NAME_RE.match(name):
-                raise ValueError(f"{name!r} is not a valid device name")
         self._timers = _Timers()
-        rng = random.Random(seed)
-        self.devices = {
-            name: SimulatedDevice(
-                name, behaviour, timers=self._timers, rng=rng, url=url, password=(passwords or {}).get(name)
-            )
-            for name, behaviour in devices.items()
-        }
+        self._rng, self._url = random.Random(seed), url
+        self._started = False
+        # Replaced, never changed in place (device_add, device_remove): the timer thread and
+        # stats() iterate it while the owner's thread adds and drops devices.
+        self.devices: dict[str, SimulatedDevice] = {}
+        # Devices dropped while running: their oracle records still count (overlaps, totals).
+        self._retired: list[SimulatedDevice] = []
+        for name, behaviour in devices.items():
+            self._device_new(name, behaviour, (passwords or {}).get(name))
         self.heartbeat_interval = heartbeat_interval
+
+    def _device_new(self, name: str, behaviour: DeviceBehaviour, password: str | None) -> SimulatedDevice:
+        if not protocol.DEVICE_NAME_RE.match(name):
+            raise ValueError(f"{name!r} is not a valid device name")
+        if name in self.devices:
+            raise ValueError(f"device {name!r} is already simulated")
+        device = SimulatedDevice(
+            name, behaviour, timers=self._timers, rng=self._rng, url=self._url, password=password
+        )
+        self.devices = {**self.devices, name: device}
+        return device
+
+    def device_add(self, name: str, behaviour: DeviceBehaviour, *, password: str | None = None) -> None:
+        """Play one more device; once started, it connects at once (without waiting for SUBACK:
+        `wait_subscribed` does). Raises ValueError for an invalid or already simulated name."""
+        device = self._device_new(name, behaviour, password)
+        if self._started:
+            device.connect()
+
+    def device_remove(self, name: str, *, timeout: float = 1.0) -> None:
+        """Stop playing a device: a retained "offline" (confirmed within `timeout`), then gone.
+        Its oracle records stay counted. Unknown names are ignored."""
+        device = self.devices.get(name)
+        if device is None:
+            return
+        self.devices = {key: value for key, value in self.devices.items() if key != name}
+        device.disconnect(deadline=time.monotonic() + timeout)
+        self._retired.append(device)
+
+    def wait_subscribed(self, names: list[str], timeout: float) -> list[str]:
+        """Wait until these devices are subscribed, at most `timeout` seconds in all; returns
+        the names still not subscribed (an empty list when all are)."""
+        deadline = time.monotonic() + timeout
+        devices = [self.devices[name] for name in names if name in self.devices]
+        for device in devices:
+            device.subscribed.wait(max(0.0, deadline - time.monotonic()))
+        return [device.name for device in devices if not device.subscribed.is_set()]
 
     def start(self, wait_connected: float = 10.0) -> None:
         """Connect every device and wait until all are subscribed (SUBACK).
@@ -529,12 +565,10 @@ class Simulator:
         Raises TimeoutError naming the devices not subscribed in time, after stopping them all.
         """
         self._timers.start()
+        self._started = True
         for device in self.devices.values():
             device.connect()
-        deadline = time.monotonic() + wait_connected
-        for device in self.devices.values():
-            device.subscribed.wait(max(0.0, deadline - time.monotonic()))
-        missing = [name for name, device in self.devices.items() if not device.subscribed.is_set()]
+        missing = self.wait_subscribed(list(self.devices), wait_connected)
         if missing:
             self.stop(graceful=False)
             raise TimeoutError(
@@ -570,21 +604,26 @@ class Simulator:
         """The commands a device received, in order, duplicates included (flagged)."""
         return self.devices[name].received()
 
+    def _all_devices(self) -> list[SimulatedDevice]:
+        """The devices played now and those dropped while running (the oracle forgets none)."""
+        return [*self.devices.values(), *self._retired]
+
     @property
     def overlaps(self) -> list[Overlap]:
-        return [overlap for device in self.devices.values() for overlap in list(device.overlaps)]
+        return [overlap for device in self._all_devices() for overlap in list(device.overlaps)]
 
     @property
     def token_regressions(self) -> list[TokenRegression]:
-        return [
-            regression for device in self.devices.values() for regression in list(device.token_regressions)
-        ]
+        return [regression for device in self._all_devices() for regression in list(device.token_regressions)]
 
     def stats(self) -> dict[str, Any]:
-        """Per-device and total counters, plus every overlap and token regression in detail."""
+        """Per-device and total counters, plus every overlap and token regression in detail.
+
+        `devices` lists the devices played now; the totals also count those dropped meanwhile."""
         per_device = {name: device.stats() for name, device in self.devices.items()}
+        everyone = [*per_device.values(), *(device.stats() for device in list(self._retired))]
         keys = (*COUNTERS, "overlaps", "token_regressions", "in_flight", "online")
-        totals = {key: sum(int(stats[key]) for stats in per_device.values()) for key in keys}
+        totals = {key: sum(int(stats[key]) for stats in everyone) for key in keys}
         return {
             "totals": {"devices": len(per_device), **totals},
             "devices": per_device,

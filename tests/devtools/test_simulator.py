@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -16,8 +17,13 @@ import pytest
 from django.core.management import call_command
 
 from devices import protocol
+from devtools.processes import manage_argv
 from devtools.simulator import DeviceBehaviour, Overlap, Simulator, TokenRegression
 from iotqueue.mqtt import broker_address
+from jobs.models import JobRun, RunStatus
+from jobs.services import run_start
+from tests.conftest import wait_for
+from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -371,3 +377,86 @@ def test_behaviour_from_device_config():
     assert configured == DeviceBehaviour(latency_min_ms=5, latency_max_ms=10, failure_rate=0.5, silent=True)
     with pytest.raises(ValueError):
         base.configured({"failure_rate": 2})
+
+
+@pytest.fixture
+def simulate_following(stack, tmp_path) -> Iterator[Path]:
+    """`manage.py simulate --from-db --own-credentials` as the dev stack runs it, started before
+    any device exists; yields its stats file. A quick follow interval keeps the test short."""
+    stats_file = tmp_path / "sim.json"
+    name = f"simulate-{uuid.uuid4().hex[:6]}"
+    following = ("--from-db", "--own-credentials", "--follow-seconds", "0.2")
+    argv = manage_argv("simulate", *following, "--stats-file", str(stats_file))
+    stack.supervisor.start(name, argv)
+    try:
+        stack.supervisor.wait_for_log(name, r"simulate: 0 devices online", timeout=60)
+        yield stats_file
+    finally:
+        stack.supervisor.stop(name)
+
+
+def played(stats_file: Path) -> dict[str, Any]:
+    """The devices the simulator plays now, as its stats file last said."""
+    try:
+        return json.loads(stats_file.read_text())["devices"]
+    except FileNotFoundError:
+        return {}
+
+
+def run_finished(run_id) -> JobRun | None:
+    run = JobRun.objects.get(pk=run_id)
+    return run if run.is_terminal else None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+def test_a_device_created_after_the_simulator_started_answers_a_run(simulate_following):
+    # given the simulator following the device table, started when no device existed
+    # when a device is created (offline, as a new one is) and a run of a step on it starts
+    device = DeviceFactory(online=False)
+    template = template_with_steps((device, "on", {"level": 80}))
+    run, _ = run_start(template=template, trigger="cli")
+
+    # then the simulator plays the device, with the credentials it issued it, and the run succeeds
+    run = wait_for(lambda: run_finished(run.pk), timeout=60, what="the run on the new device to finish")
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    wait_for(
+        lambda: played(simulate_following).get(device.name, {}).get("commands") == 1,
+        what="the simulator's stats to count the command",
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gone", ["deleted", "disabled"])
+def test_a_deleted_or_disabled_device_is_no_longer_played(simulate_following, gone):
+    # given a device the following simulator plays
+    device = DeviceFactory(online=False)
+    wait_for(
+        lambda: played(simulate_following).get(device.name, {}).get("online"),
+        what="the simulator to play the new device",
+    )
+
+    # when the device is deleted, or disabled
+    if gone == "deleted":
+        device.delete()
+    else:
+        device.enabled = False
+        device.save()
+
+    # then the simulator drops it
+    wait_for(lambda: device.name not in played(simulate_following), what="the simulator to drop the device")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+def test_a_device_whose_config_opts_out_is_left_alone(simulate_following):
+    # given a device to be played by hand, and then an ordinary one
+    by_hand = DeviceFactory(online=False, config={"simulator": False})
+    ordinary = DeviceFactory(online=False)
+
+    # when the simulator has taken up the later one (so it has read both rows)
+    wait_for(lambda: ordinary.name in played(simulate_following), what="the simulator to play the device")
+
+    # then it does not play the one that opted out
+    assert by_hand.name not in played(simulate_following)
