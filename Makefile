@@ -3,19 +3,28 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: install run test test-fast test-api test-pip lint format bench bench-pg bench-fleet clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+# What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
+$(RUN_STAMP): requirements.txt requirements-run.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-run.txt
+	touch $(RUN_STAMP)
+
+# Everything development needs (tests, linters): the same plus requirements-dev.txt. A venv
+# made by `make run` is completed here by the first `make test` or `make install`.
+$(STAMP): $(RUN_STAMP) requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
 install: $(STAMP)
 
 ## Start Redis, an MQTT broker, worker, beat, bridge, web and simulated devices; run the demo.
-run: install
+## Installs only what running needs (no test tools): `make test` adds those.
+run: $(RUN_STAMP) $(CATALOGUES)
 	$(BIN)/python -m devtools.devstack
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set).
