@@ -8,6 +8,7 @@ from rest_framework.routers import DefaultRouter
 from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.auth_token import TokenObtainView
 from iotqueue.views import metrics_view
+from jobs.admin.dashboard import dashboard_urls
 from jobs.api import DeviceLockReleaseView, RunViewSet, TemplateViewSet
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 from webhooks.api import WebhookViewSet
@@ -22,6 +23,8 @@ router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
 router.register("webhooks", WebhookViewSet, basename="webhook")
 
 urlpatterns = [
+    # The admin's first page is the dashboard (the admin's index plus its panels), and its fragment.
+    *dashboard_urls(),
     path("admin/", admin.site.urls),
     path("api/devices/<str:name>/lock/release/", DeviceLockReleaseView.as_view(), name="device-lock-release"),
     path("api/", include(router.urls)),

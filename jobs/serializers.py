@@ -1,5 +1,9 @@
 """REST representations of runs, their steps and timeline."""
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from django.db.models import Manager
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -7,6 +11,7 @@ from devices.selectors import selector_parse
 from iotqueue.api import BoundedJSONField
 
 from .models import JobRun, JobTemplate, RunEvent, StepRun
+from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
 class RunStartSerializer(serializers.Serializer):
@@ -51,8 +56,70 @@ class RunStartSerializer(serializers.Serializer):
         return value
 
 
+class WaitingSerializer(serializers.Serializer):
+    """Why a step or run waits (jobs/waiting.py); computed when read, never stored."""
+
+    reason = serializers.ChoiceField(
+        choices=sorted(REASONS), help_text="What it waits for, as a code (docs/operations.md lists them)."
+    )
+    message = serializers.CharField(help_text="The same for people, in the request's language.")
+    device = serializers.CharField(allow_null=True, help_text="The device it concerns, if any.")
+    since = serializers.DateTimeField(
+        allow_null=True, help_text="When the condition began: device offline since, queued, sent."
+    )
+    until = serializers.DateTimeField(
+        allow_null=True,
+        help_text="When it may go on, if known: a delay's end, flow control's or the rollout's next "
+        "send, a retry, the attempt's deadline.",
+    )
+    blocking_run = serializers.UUIDField(
+        allow_null=True, help_text="device_busy: the run holding the device."
+    )
+    blocking_step = serializers.IntegerField(allow_null=True, help_text="device_busy: that run's step index.")
+    queue_position = serializers.IntegerField(
+        allow_null=True, help_text="device_busy: this step's place in the device's queue (1 = next)."
+    )
+    step = serializers.IntegerField(allow_null=True, help_text="The index of the step that waits.")
+
+
+# The serializer context's key for the reasons of the runs and steps being written.
+WAITING_CONTEXT = "waiting"
+
+
+@dataclass
+class WaitingKnown:
+    """Reasons read for the runs being written, in one batch per page (jobs/waiting.py)."""
+
+    runs_read: set = field(default_factory=set)
+    runs: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+
+
+def waiting_read(context: dict, runs: Iterable[JobRun]) -> None:
+    """Read the reasons of `runs` and their rows into the serializer context (a fixed number
+    of queries and one Redis round trip for a page, with the rows prefetched)."""
+    known = context.setdefault(WAITING_CONTEXT, WaitingKnown())
+    runs = [run for run in runs if run.pk not in known.runs_read]
+    if not runs:
+        return
+    # A failed fan-out's rows at work finish after their run ended: all rows are read.
+    rows = [row for run in runs for row in run.step_runs.all()]
+    by_run, by_row = runs_steps_waiting(runs, rows)
+    known.runs_read.update(run.pk for run in runs)
+    known.runs.update(by_run)
+    known.steps.update(by_row)
+
+
+def waiting_data(waiting: Waiting | None) -> dict | None:
+    return WaitingSerializer(waiting).data if waiting is not None else None
+
+
+WAITING_HELP = "Why it waits (null: it does not): computed from the rows and the lock state when read."
+
+
 class StepRunSerializer(serializers.ModelSerializer):
     device = serializers.CharField(source="device_name")
+    waiting = serializers.SerializerMethodField(help_text=WAITING_HELP)
 
     class Meta:
         model = StepRun
@@ -76,7 +143,24 @@ class StepRunSerializer(serializers.ModelSerializer):
             "dispatched_at",
             "acked_at",
             "finished_at",
+            "waiting",
         ]
+
+    @extend_schema_field(WaitingSerializer(allow_null=True))
+    def get_waiting(self, row: StepRun) -> dict | None:
+        known = self.context.get(WAITING_CONTEXT)
+        if known is not None and row.run_id in known.runs_read:
+            return waiting_data(known.steps.get(row.pk))
+        return waiting_data(step_waiting(row))
+
+
+class RunListSerializer(serializers.ListSerializer):
+    """Reads the reasons of a whole page of runs at once, before writing any of them."""
+
+    def to_representation(self, data):
+        runs = list(data.all() if isinstance(data, Manager) else data)
+        waiting_read(self.context, runs)
+        return super().to_representation(runs)
 
 
 class RunEventSerializer(serializers.ModelSerializer):
@@ -99,8 +183,12 @@ class RunSerializer(serializers.ModelSerializer):
         help_text="The number of the template version the run executes (null: a canvas command "
         "or a run from before versions).",
     )
+    waiting = serializers.SerializerMethodField(
+        help_text="Why the run waits: its oldest unfinished step's reason (null: finished). " + WAITING_HELP
+    )
 
     class Meta:
+        list_serializer_class = RunListSerializer
         model = JobRun
         fields = [
             "id",
@@ -121,8 +209,17 @@ class RunSerializer(serializers.ModelSerializer):
             "created_at",
             "started_at",
             "finished_at",
+            "waiting",
             "steps",
         ]
+
+    def to_representation(self, instance: JobRun) -> dict:
+        waiting_read(self.context, [instance])  # nothing to read when its page was read
+        return super().to_representation(instance)
+
+    @extend_schema_field(WaitingSerializer(allow_null=True))
+    def get_waiting(self, run: JobRun) -> dict | None:
+        return waiting_data(self.context[WAITING_CONTEXT].runs.get(run.pk))
 
 
 # A run's detail shows its latest this many events; the whole timeline is paged at

@@ -398,6 +398,17 @@ def runs_current_rows(runs: Sequence[JobRun]) -> dict[uuid.UUID, StepRun]:
     return loaded
 
 
+def run_current_row(rows: Iterable[StepRun]) -> StepRun | None:
+    """Of a run's rows, the one its waiting is told by (as `runs_current_rows` picks it)."""
+    rows = list(rows)
+    at_work = [row for row in rows if row.status in STEP_AT_WORK and row.queued_at is not None]
+    if at_work:
+        return min(at_work, key=lambda row: (row.queued_at, row.pk))
+    return min(
+        (row for row in rows if row.status == StepStatus.PENDING), key=lambda row: row.pk, default=None
+    )
+
+
 def runs_waiting(runs: Sequence[JobRun], *, now: datetime | None = None) -> dict[uuid.UUID, Waiting]:
     """What each pending or running run waits for (its oldest unfinished step's reason), by
     run id; finished runs are left out. Four queries at most and one Redis pipeline for a
@@ -405,7 +416,29 @@ def runs_waiting(runs: Sequence[JobRun], *, now: datetime | None = None) -> dict
     now = now or timezone.now()
     active = [run for run in runs if run.status in RUN_WAITING]
     current = runs_current_rows(active)
-    by_row = steps_waiting(current.values(), now=now)
+    return _runs_told(active, current, steps_waiting(current.values(), now=now))
+
+
+def runs_steps_waiting(
+    runs: Sequence[JobRun], rows: Iterable[StepRun], *, now: datetime | None = None
+) -> tuple[dict[uuid.UUID, Waiting], dict[int, Waiting]]:
+    """`runs_waiting` and `steps_waiting` at once, for runs whose rows are loaded already
+    (a page of runs with their steps prefetched): (by run id, by row pk), with no query for
+    the runs' current rows and one Redis pipeline for all."""
+    now = now or timezone.now()
+    rows = list(rows)
+    by_row = steps_waiting(rows, now=now)
+    by_run: dict[uuid.UUID, list[StepRun]] = {}
+    for row in rows:
+        by_run.setdefault(row.run_id, []).append(row)
+    active = [run for run in runs if run.status in RUN_WAITING]
+    current = {run.pk: row for run in active if (row := run_current_row(by_run.get(run.pk, ()))) is not None}
+    return _runs_told(active, current, by_row), by_row
+
+
+def _runs_told(
+    active: Sequence[JobRun], current: dict[uuid.UUID, StepRun], by_row: dict[int, Waiting]
+) -> dict[uuid.UUID, Waiting]:
     waiting = {}
     for run in active:
         row = current.get(run.pk)

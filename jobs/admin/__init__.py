@@ -9,6 +9,6 @@ runs, step runs and events lists show PostgreSQL's row estimate instead of count
 of rows (paging.py). One module per page family; importing them registers them.
 """
 
-from . import devices, records, runs, templates
+from . import dashboard, devices, records, runs, templates
 
-__all__ = ["devices", "records", "runs", "templates"]
+__all__ = ["dashboard", "devices", "records", "runs", "templates"]

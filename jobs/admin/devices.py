@@ -15,6 +15,7 @@ from devices.models import Device
 from ..cancel import lock_force_release
 from ..engine.plan import HOLDER_KIND
 from ..models import StepRun
+from .dashboard import DeviceStateFilter
 from .display import run_url
 
 admin.site.unregister(Device)
@@ -23,6 +24,8 @@ admin.site.unregister(Device)
 @admin.register(Device)
 class DeviceWithLockAdmin(DeviceAdmin):
     actions = [*DeviceAdmin.actions, "force_release_lock"]
+    # The dashboard's fleet numbers link here filtered by state (online, busy, ...).
+    list_filter = [DeviceStateFilter, *DeviceAdmin.list_filter]
 
     def lock_holder_urls(self, holders: list[str]) -> dict[str, str]:
         """Step holders link to their run's page (one query for the whole page)."""

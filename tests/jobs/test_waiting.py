@@ -3,8 +3,11 @@
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, RunEvent, StepKind, StepRun, StepStatus
 from jobs.services import run_start
 from jobs.waiting import runs_stuck, runs_waiting, step_waiting, steps_waiting
@@ -89,8 +92,6 @@ def test_a_delay_step_waits_until_its_end(stack):
 
 def test_finished_rows_and_runs_wait_for_nothing(stack, simulator):
     # given a run that succeeded
-    from devtools.simulator import DeviceBehaviour
-
     device = DeviceFactory()
     simulator({device.name: DeviceBehaviour()})
     run, _ = run_start(template=template_with_steps((device, "on", {})))
@@ -116,3 +117,51 @@ def test_an_offline_run_is_stuck_only_past_the_threshold(stack, settings):
     assert stuck[run.pk].waited >= timedelta(0)
     later = runs_stuck(older_than=timedelta(seconds=30), now=row.queued_at + timedelta(seconds=31))
     assert run.pk in {entry.run.pk for entry in later}
+
+
+def run_list_queries(admin_api, template) -> tuple[int, list[dict]]:
+    with CaptureQueriesContext(connection) as queries:
+        answer = admin_api.get("/api/runs/", {"template": template.name})
+    assert answer.status_code == 200, answer.content
+    return len(queries), answer.json()["results"]
+
+
+def test_rest_shows_why_runs_and_steps_wait_at_a_fixed_number_of_queries(stack, admin_api):
+    # given one run waiting for an offline device
+    run, row = offline_run()
+    template = run.template
+
+    # when the run list and the run are read
+    one, listed = run_list_queries(admin_api, template)
+    detail = admin_api.get(f"/api/runs/{run.pk}/").json()
+
+    # then the run and its step carry the reason, with the device and since
+    assert listed[0]["waiting"]["reason"] == "device_offline"
+    assert listed[0]["waiting"]["device"] == row.device.name
+    assert detail["waiting"]["reason"] == "device_offline"
+    assert detail["waiting"]["since"] is not None
+    assert detail["steps"][0]["waiting"]["reason"] == "device_offline"
+
+    # when two more runs of the template wait, the page costs the same queries
+    run_start(template=template)
+    run_start(template=template)
+    wait_for(
+        lambda: StepRun.objects.filter(run__template=template, status=StepStatus.QUEUED).count() == 3,
+        what="three queued rows",
+    )
+    three, listed = run_list_queries(admin_api, template)
+    assert len(listed) == 3
+    assert three == one
+    assert all(item["waiting"]["reason"] == "device_offline" for item in listed)
+
+
+def test_rest_shows_null_waiting_for_a_finished_run(stack, admin_api, simulator):
+    device = DeviceFactory()
+    simulator({device.name: DeviceBehaviour()})
+    run, _ = run_start(template=template_with_steps((device, "on", {})))
+    wait_for(lambda: JobRun.objects.get(pk=run.pk).is_terminal, what="the run to end")
+
+    detail = admin_api.get(f"/api/runs/{run.pk}/").json()
+
+    assert detail["waiting"] is None
+    assert detail["steps"][0]["waiting"] is None
