@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install run test test-fast test-api test-pip lint format bench bench-pg bench-fleet clean
+.PHONY: install messages run test test-fast test-api test-pip lint format bench bench-pg bench-fleet clean
 
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
 $(RUN_STAMP): requirements.txt requirements-run.txt
@@ -20,7 +20,13 @@ $(STAMP): $(RUN_STAMP) requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
-install: $(STAMP)
+# The translation catalogues, compiled from the committed .po files (iotqueue/catalogue.py).
+CATALOGUES := $(patsubst %.po,%.mo,$(wildcard locale/*/LC_MESSAGES/*.po))
+
+$(CATALOGUES): %.mo: %.po $(RUN_STAMP)
+	$(BIN)/python -m iotqueue.catalogue compile
+
+install: $(STAMP) $(CATALOGUES)
 
 ## Start Redis, an MQTT broker, worker, beat, bridge, web and simulated devices; run the demo.
 ## Installs only what running needs (no test tools): `make test` adds those.
@@ -71,6 +77,12 @@ bench-pg: install
 ## (bench/README.md). BENCH_FLEET_ARGS="--devices 200" for a quick look.
 bench-fleet: install
 	$(BIN)/python -m bench.fleet --database-url '$(BENCH_DATABASE_URL)' $(BENCH_FLEET_ARGS)
+
+## Update locale/*/LC_MESSAGES/django.po from the code (installs GNU gettext as root if missing);
+## then translate the new messages in the .po and `make install` compiles them.
+messages: install
+	$(BIN)/python -m devtools.messages
+	$(BIN)/python -m iotqueue.catalogue check || true
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

@@ -14,6 +14,7 @@ from pathlib import Path
 import environ
 from django.core.checks.security import base as security_checks
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext_lazy as _
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Runtime files of the dev stack (SQLite database, server logs); never committed. Created
@@ -130,6 +131,9 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "iotqueue.api.NulRefusingMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # The page's language: the one picked in the admin header (set_language, kept in a
+    # cookie), else the browser's Accept-Language (zh-CN is Simplified Chinese), else English.
+    "django.middleware.locale.LocaleMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -144,7 +148,9 @@ ROOT_URLCONF = "iotqueue.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # Before every app's templates: django.contrib.admin comes first in INSTALLED_APPS,
+        # so an override of its admin/base_site.html (the language switcher) must live here.
+        "DIRS": [BASE_DIR / "iotqueue" / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -216,7 +222,11 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
 
-LANGUAGE_CODE = "en-us"
+LANGUAGE_CODE = "en"
+# The languages the console, the API's messages and the CLI speak (docs/operations.md#languages).
+# The catalogue is locale/<language>/LC_MESSAGES/django.po, compiled at install.
+LANGUAGES = [("en", _("English")), ("zh-hans", _("Simplified Chinese"))]
+LOCALE_PATHS = [BASE_DIR / "locale"]
 TIME_ZONE = env("TIME_ZONE", default="UTC")
 USE_I18N = True
 USE_TZ = True

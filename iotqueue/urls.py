@@ -26,6 +26,8 @@ urlpatterns = [
     # The admin's first page is the dashboard (the admin's index plus its panels), and its fragment.
     *dashboard_urls(),
     path("admin/", admin.site.urls),
+    # set_language: the admin header's language switcher posts here (a cookie keeps the choice).
+    path("i18n/", include("django.conf.urls.i18n")),
     path("api/devices/<str:name>/lock/release/", DeviceLockReleaseView.as_view(), name="device-lock-release"),
     path("api/", include(router.urls)),
     path("api/token/", TokenObtainView.as_view(), name="api-token"),
