@@ -213,6 +213,9 @@ AXES_HANDLER = "iotqueue.throttling.AddressLimitedLockoutHandler"
 # ends a cool-off after it began, however often the locked-out client keeps trying.
 AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_RESET_ON_SUCCESS = True
+# No "AXES: BEGIN ..." banner at every process start (manage.py commands, workers): a lockout
+# is still logged, naming its username and address (the lockout parameters).
+AXES_VERBOSE = False
 AXES_HTTP_RESPONSE_CODE = 429
 # The client address as the API throttles see it (REST_FRAMEWORK's NUM_PROXIES).
 AXES_CLIENT_IP_CALLABLE = "iotqueue.throttling.client_address"
