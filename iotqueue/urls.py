@@ -2,6 +2,7 @@
 
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
@@ -23,6 +24,9 @@ router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
 router.register("webhooks", WebhookViewSet, basename="webhook")
 
 urlpatterns = [
+    # The site's front page is the admin (the operator console). Temporary: the root may
+    # serve something else one day, and browsers must not remember this answer for good.
+    path("", RedirectView.as_view(pattern_name="admin:index", permanent=False), name="root"),
     # The admin's first page is the dashboard (the admin's index plus its panels), and its fragment.
     *dashboard_urls(),
     path("admin/", admin.site.urls),
