@@ -222,6 +222,24 @@ def demo_trigger(*, runs_per_template: int) -> list[JobRun]:
     return started
 
 
+def demo_runs_line(runs: list[JobRun]) -> str:
+    """How many runs of which templates, e.g. "6 runs: 2 Morning, 2 Cleaning, 1 Lamp firmware"."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run.template.name] = counts.get(run.template.name, 0) + 1
+    listed = ", ".join(f"{count} {name}" for name, count in counts.items())
+    return f"{len(runs)} runs: {listed}"
+
+
+def demo_outcome_line(runs: list[JobRun]) -> str:
+    """How the followed runs ended, counting the same runs: "8 demo runs finished: 8 succeeded"."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run.status] = counts.get(run.status, 0) + 1
+    listed = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    return f"{len(runs)} demo runs finished: {listed}"
+
+
 def demo_ramp_line(run: JobRun) -> str:
     """When the rollout commanded each bulb, from its first command: the gaps shrink as it ramps."""
     sent = sorted(s.dispatched_at for s in run.step_runs.all() if s.dispatched_at)
@@ -256,4 +274,4 @@ def run_progress_line(run: JobRun) -> str:
             mark = STATUS_MARK.get(steps[0].status, steps[0].status) if steps else "-"
         parts.append(f"{spec['device'] or spec.get('selector') or spec['kind']} {spec['action']}: {mark}")
     version = f"v{run.template_version.number}" if run.template_version_id else "-"
-    return f"{run.template.name:<11} {version:<3} {str(run.pk)[:8]}  {run.status:<10} " + " | ".join(parts)
+    return f"{run.template.name:<13} {version:<3} {str(run.pk)[:8]}  {run.status:<10} " + " | ".join(parts)

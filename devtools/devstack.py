@@ -3,8 +3,9 @@
 It starts a real Redis and a real MQTT broker on free ports (unless REDIS_URL / MQTT_URL
 are set), migrates, starts a Celery worker, beat, the bridge, the web server and the device
 simulator, then runs the `demo` command (seed devices and templates, trigger runs, show
-progress). Ctrl-C or SIGTERM stops every child it started. With --exit-when-done (implied
-when CI is set) it stops once the demo runs have finished.
+progress). Its start-up ends with one block saying how to use the stack (access_block), printed
+again when the demo is done. Ctrl-C or SIGTERM stops every child it started. With
+--exit-when-done (implied when CI is set) it stops once the demo runs have finished.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import argparse
 import io
 import logging
 import os
+import secrets
+import shlex
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .processes import BASE_DIR, Supervisor, beat_argv, manage_argv, worker_argv
@@ -27,6 +31,36 @@ STATE_DIR = BASE_DIR / "var" / "devstack"
 WEB_PORT = 8000
 # How long children get to report ready; cold Python imports on a busy laptop are slow.
 READY_TIMEOUT_SECONDS = 60.0
+# The demo's superuser (devtools/demo.py demo_seed): development only, refused without DEBUG.
+ADMIN_LOGIN = ("admin", "admin")
+# What another shell needs to reach the same servers and database (the CLI, `manage.py ...`).
+CLI_VARIABLES = ("REDIS_URL", "MQTT_URL", "IOTQUEUE_MQTT_AUTH", "DATABASE_URL", "DEBUG")
+RULE = "-" * 78
+
+
+def access_block(*, web_url: str, api_token: str, metrics_token: str, environment: Mapping[str, str]) -> str:
+    """The few lines a newcomer needs to use the running stack: where the admin, the API and
+    the metrics are with their credentials, and the `export` line for another shell.
+
+    `environment`: this process's environment; CLI_VARIABLES that are set in it are exported,
+    with `API`, `TOKEN` and IOTQUEUE_METRICS_TOKEN for curl. Values are shell-quoted.
+    """
+    exported = {name: environment[name] for name in CLI_VARIABLES if environment.get(name)}
+    exported |= {"API": f"{web_url}/api", "TOKEN": api_token, "IOTQUEUE_METRICS_TOKEN": metrics_token}
+    export = " ".join(f"{name}={shlex.quote(value)}" for name, value in exported.items())
+    user, password = ADMIN_LOGIN
+    return "\n".join(
+        [
+            RULE,
+            f"  admin    {web_url}/admin/    login {user} / {password}",
+            f"  API      {web_url}/api/      header  Authorization: Token {api_token}",
+            f"  metrics  {web_url}/metrics   header  Authorization: Bearer {metrics_token}",
+            "  In another shell, to use manage.py commands and curl against this stack:",
+            f"  export {export}",
+            '  e.g. .venv/bin/python manage.py runs   or   curl -H "Authorization: Token $TOKEN" $API/runs/',
+            RULE,
+        ]
+    )
 
 
 def _port_free(port: int) -> bool:
@@ -56,12 +90,12 @@ def _services_start(servers: list[EmbeddedServer]) -> dict[str, str]:
     if not os.environ.get("REDIS_URL"):
         servers.append(redis_start(STATE_DIR))
         env["REDIS_URL"] = servers[-1].url
-        print(f"  redis   {servers[-1].url}  ({servers[-1].kind})")
     if not os.environ.get("MQTT_URL"):
         servers.append(mqtt_broker_start(STATE_DIR))
         env["MQTT_URL"] = servers[-1].url
         env["IOTQUEUE_MQTT_AUTH"] = servers[-1].auth
-        print(f"  mqtt    {servers[-1].url}  ({servers[-1].kind})")
+    started = [f"{server.kind} on port {server.port}" for server in servers]
+    print(f"  started {', '.join(started) or 'no server: REDIS_URL and MQTT_URL are set'}")
     return env
 
 
@@ -80,49 +114,41 @@ def main(argv: list[str] | None = None) -> int:
     print("iotqueue dev stack")
     try:
         os.environ.update(_services_start(servers))
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
-        # Development mode for this process and every child: the development SECRET_KEY and
-        # hosts, runserver's static files, and the demo's admin/admin superuser.
-        os.environ["DEBUG"] = "true"
-        # The demo's step task (a template step of kind `task`): the worker runs it, the web
-        # process checks templates against it.
-        os.environ["CELERY_IMPORTS"] = "devtools.demo_tasks"
-        # The demo's webhook receiver listens on 127.0.0.1, which webhooks refuse unless it is
-        # listed (docs/operations.md, Securing a deployment): listed here, for the demo only.
-        os.environ.setdefault("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.1/32")
+        _environment_prepare()
         import django
         from django.core.management import CommandError, call_command
 
         django.setup()
+        from .demo import demo_seed
+
         # The progress display says what happens; the timeline's log lines would drown it.
         logging.getLogger("jobs.timeline").setLevel(logging.WARNING)
         call_command("migrate", verbosity=0)
         call_command("monitors_install", stdout=io.StringIO())
-        call_command("demo", seed_only=True, stdout=sys.stdout)
+        token = demo_seed()
         # Every run event of the demo is delivered to a receiver in this process.
         call_command("webhook_demo", url=_webhook_receiver_start(), stdout=io.StringIO())
+        print("  database migrated, demo devices and templates ready")
         web_port = WEB_PORT if _port_free(WEB_PORT) else free_port()
         with Supervisor(STATE_DIR / "logs", dict(os.environ)) as supervisor:
             _children_start(supervisor, web_port)
-            print(f"\n  admin   http://127.0.0.1:{web_port}/admin/   (login admin / admin)")
-            print(f"  API     http://127.0.0.1:{web_port}/api/runs/")
-            print(f"  webhook deliveries  http://127.0.0.1:{web_port}/admin/webhooks/delivery/")
-            print(f"  logs    {supervisor.log_dir}")
-            # manage.py commands in another shell (run_start --wait, runs, locks) need the
-            # same servers; the embedded ones listen on ports chosen at start.
-            print(
-                f"  CLI     export REDIS_URL={os.environ['REDIS_URL']} MQTT_URL={os.environ['MQTT_URL']}"
-                f" IOTQUEUE_MQTT_AUTH={os.environ.get('IOTQUEUE_MQTT_AUTH', 'dynsec')} DEBUG=true\n"
+            block = access_block(
+                web_url=f"http://127.0.0.1:{web_port}",
+                api_token=token,
+                metrics_token=os.environ["IOTQUEUE_METRICS_TOKEN"],
+                environment=os.environ,
             )
+            print(block)
             try:
                 call_command("demo", runs=args.runs, follow=True, stdout=sys.stdout)
                 demo_ok = True
             except CommandError as exc:
                 print(f"demo: {exc}")
                 demo_ok = False
+            print(block)
             if args.exit_when_done or stop.is_set():
                 return 0 if demo_ok else 1
-            print("\nStack is running; Ctrl-C stops it.")
+            print("Stack is running; Ctrl-C stops it.")
             while not stop.wait(1.0):
                 dead = [c.name for c in supervisor.children.values() if not c.alive() and not c.restart]
                 if dead:
@@ -133,6 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         for server in reversed(servers):
             server.stop()
         print("dev stack stopped")
+
+
+def _environment_prepare() -> None:
+    """The environment of this process and every child, set before Django reads its settings."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
+    # Development mode: the development SECRET_KEY and hosts, runserver's static files, and
+    # the demo's admin/admin superuser.
+    os.environ["DEBUG"] = "true"
+    # /metrics answers a bearer token (iotqueue/views.py): a new one each start, unless given.
+    os.environ.setdefault("IOTQUEUE_METRICS_TOKEN", secrets.token_urlsafe(24))
+    # The demo's step task (a template step of kind `task`): the worker runs it, the web
+    # process checks templates against it.
+    os.environ["CELERY_IMPORTS"] = "devtools.demo_tasks"
+    # The demo's webhook receiver listens on 127.0.0.1, which webhooks refuse unless it is
+    # listed (docs/operations.md, Securing a deployment): listed here, for the demo only.
+    os.environ.setdefault("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.1/32")
 
 
 def _children_start(supervisor: Supervisor, web_port: int) -> None:
@@ -163,7 +205,7 @@ def _children_start(supervisor: Supervisor, web_port: int) -> None:
     }
     for name, pattern in ready.items():
         supervisor.wait_for_log(name, pattern, timeout=READY_TIMEOUT_SECONDS, since=offsets[name])
-        print(f"  {name:<10}up (pid {supervisor.children[name].pid})")
+    print(f"  {', '.join(names)} up (logs in {supervisor.log_dir})")
 
 
 if __name__ == "__main__":

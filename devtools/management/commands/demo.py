@@ -4,6 +4,7 @@ import time
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
+from django.db.models import Q
 from django.utils import timezone
 
 from devtools.demo import (
@@ -11,13 +12,15 @@ from devtools.demo import (
     DOOR_RULE,
     demo_canvas,
     demo_door_open,
+    demo_outcome_line,
     demo_ramp_line,
+    demo_runs_line,
     demo_seed,
     demo_trigger,
     demo_versions_line,
     run_progress_line,
 )
-from jobs.models import JobRun, Trigger
+from jobs.models import JobRun, RunStatus, Trigger
 
 # How often the progress display re-reads the runs.
 POLL_SECONDS = 0.25
@@ -44,31 +47,37 @@ class Command(BaseCommand):
             return
         self.stdout.write(demo_versions_line())
         runs = demo_trigger(runs_per_template=options["runs"])
-        self.stdout.write(f"started {len(runs)} demo runs (Morning and Cleaning both need lamp-2)")
-        if options["follow"]:
-            runs.append(self._door_open())
-            canvas = demo_canvas()
-            self.stdout.write("Celery chain sent: cam-3 snapshot, then lamp-2 on (jobs/canvas.py)")
-            first_link = JobRun.objects.filter(idempotency_key=f"canvas:{canvas.parent.id}")
-            runs.append(self._wait_run(first_link, "the Celery chain"))
-            self._follow([run.pk for run in runs], options["timeout"])
-            bulbs = next(run for run in runs if run.template.name == BULBS_TEMPLATE)
-            self.stdout.write(demo_ramp_line(bulbs))
-            try:
-                result = canvas.get(timeout=MQTT_RUN_WAIT_SECONDS)
-            except Exception as exc:
-                raise CommandError(f"the Celery chain failed: {exc}") from exc
-            self.stdout.write(self.style.SUCCESS(f"Celery chain returned lamp-2's result: {result}"))
+        self.stdout.write(f"started {demo_runs_line(runs)} (Morning and Cleaning both need lamp-2)")
+        if not options["follow"]:
+            return
+        door = self._door_open()
+        canvas = demo_canvas()
+        # A run per link, each starting when the link before it ends: the second comes later.
+        links = [f"canvas:{canvas.parent.id}", f"canvas:{canvas.id}"]
+        self._wait_run(JobRun.objects.filter(idempotency_key=links[0]), "the Celery chain")
+        self.stdout.write("Celery chain sent: cam-3 snapshot, then lamp-2 on (jobs/canvas.py): 2 runs")
+        followed = Q(pk__in=[run.pk for run in [*runs, door]]) | Q(idempotency_key__in=links)
+        expected = len(runs) + 1 + len(links)
+        self.stdout.write(f"following {expected} demo runs; each is shown when it ends")
+        runs = self._follow(followed, expected, options["timeout"], every_change=options["verbosity"] > 1)
+        bulbs = next(run for run in runs if run.template.name == BULBS_TEMPLATE)
+        self.stdout.write(demo_ramp_line(bulbs))
+        try:
+            result = canvas.get(timeout=MQTT_RUN_WAIT_SECONDS)
+        except Exception as exc:
+            raise CommandError(f"the Celery chain failed: {exc}") from exc
+        self.stdout.write(self.style.SUCCESS(f"Celery chain returned lamp-2's result: {result}"))
 
     def _door_open(self) -> JobRun:
         """Play the door sensor and return the run its trigger rule started."""
         since = timezone.now()
         topic = demo_door_open()
-        self.stdout.write(f"door sensor published on {topic} (and one malformed message, dropped)")
         runs = JobRun.objects.filter(
             trigger=Trigger.MQTT, triggered_by__startswith=f"mqtt {DOOR_RULE} ", created_at__gte=since
         )
-        return self._wait_run(runs, "the door sensor's message")
+        run = self._wait_run(runs, "the door sensor's message")
+        self.stdout.write(f"door sensor published on {topic}: 1 run (a malformed message beside it: dropped)")
+        return run
 
     def _wait_run(self, runs, what: str) -> JobRun:
         deadline = time.monotonic() + MQTT_RUN_WAIT_SECONDS
@@ -79,28 +88,30 @@ class Command(BaseCommand):
             time.sleep(POLL_SECONDS)
         raise CommandError(f"{what} started no run within {MQTT_RUN_WAIT_SECONDS:.0f}s")
 
-    def _follow(self, run_ids, timeout: float) -> None:
+    def _follow(self, followed: Q, expected: int, timeout: float, *, every_change: bool) -> list[JobRun]:
+        """Show each run once when it ends (every change of its steps with `every_change`),
+        until `expected` runs match `followed` and all have ended; returns them."""
         shown: dict = {}
         deadline = time.monotonic() + timeout
         while True:
             runs = list(
-                JobRun.objects.filter(pk__in=run_ids)
+                JobRun.objects.filter(followed)
                 .select_related("template", "template_version")
                 .prefetch_related("step_runs")
+                .order_by("created_at")
             )
-            for run in sorted(runs, key=lambda r: r.created_at):
+            for run in runs:
                 line = run_progress_line(run)
-                if shown.get(run.pk) != line:
+                if (every_change or run.is_terminal) and shown.get(run.pk) != line:
                     shown[run.pk] = line
                     self.stdout.write(f"{time.strftime('%H:%M:%S')}  {line}")
-            if all(run.is_terminal for run in runs):
+            if len(runs) >= expected and all(run.is_terminal for run in runs):
                 break
             if time.monotonic() > deadline:
                 raise CommandError(f"demo runs still not finished after {timeout:.0f}s")
             time.sleep(POLL_SECONDS)
-        outcome = {}
-        for run in runs:
-            outcome[run.status] = outcome.get(run.status, 0) + 1
-        self.stdout.write(self.style.SUCCESS(f"all demo runs finished: {outcome}"))
-        if any(run.status != "succeeded" for run in runs):
-            raise CommandError("some demo runs did not succeed")
+        summary = demo_outcome_line(runs)
+        if any(run.status != RunStatus.SUCCEEDED for run in runs):
+            raise CommandError(f"{summary}: some did not succeed")
+        self.stdout.write(self.style.SUCCESS(summary))
+        return runs
