@@ -26,6 +26,10 @@ COPY devices ./devices
 COPY jobs ./jobs
 COPY triggers ./triggers
 COPY webhooks ./webhooks
+COPY locale ./locale
+
+# The translation catalogues (locale/*.po -> .mo, pure Python): the .mo files are not committed.
+RUN python -m iotqueue.catalogue compile
 
 # The admin's static files, served by WhiteNoise from var/static (STATIC_ROOT). Copying files
 # needs no secret: this one command runs in development mode, the image itself does not.

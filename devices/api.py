@@ -4,6 +4,7 @@ from dataclasses import asdict
 
 from django.db import transaction
 from django.db.models.fields.json import KeyTransform
+from django.utils.translation import gettext as _
 from drf_spectacular.utils import (
     OpenApiExample,
     OpenApiParameter,
@@ -115,7 +116,9 @@ class DeviceViewSet(viewsets.ModelViewSet):
         for n, label in enumerate(self.request.query_params.getlist("label")):
             key, equals, value = label.partition("=")
             if not key or not equals:
-                raise ValidationError({"label": [f"use label=KEY=VALUE with a key, not {label!r}"]})
+                raise ValidationError(
+                    {"label": [_("use label=KEY=VALUE with a key, not %(label)r") % {"label": label}]}
+                )
             # The key as one JSON key (KeyTransform, not the `labels__KEY` lookup), so `a__b` or
             # `contains` is a key like any other, not a lookup; portable across SQLite and PostgreSQL.
             queryset = queryset.alias(**{f"label_{n}": KeyTransform(key, "labels")})
@@ -124,12 +127,14 @@ class DeviceViewSet(viewsets.ModelViewSet):
             try:
                 requirements = selector_parse(self.request.query_params["selector"])
             except ValueError as exc:
-                raise ValidationError({"selector": [f"not a label selector: {exc}"]}) from None
+                raise ValidationError(
+                    {"selector": [_("not a label selector: %(error)s") % {"error": exc}]}
+                ) from None
             queryset = selector_filter(queryset, requirements)
         if "online" in self.request.query_params:
             given = self.request.query_params["online"]
             if given.lower() not in BOOLEAN_PARAMETER:
-                raise ValidationError({"online": [f"use true or false, not {given!r}"]})
+                raise ValidationError({"online": [_("use true or false, not %(given)r") % {"given": given}]})
             queryset = queryset.filter(online=BOOLEAN_PARAMETER[given.lower()])
         if self.action == "credentials" and not self.request.user.has_perm("devices.view_device"):
             # No existence oracle: to a user who may not see devices, every device is unknown.
@@ -151,7 +156,9 @@ class DeviceViewSet(viewsets.ModelViewSet):
         if isinstance(exc, IdentityForeign):  # checked before saving, or found when writing
             exc = IdentityTaken({"name": [str(exc)]})
         elif isinstance(exc, DynsecError):  # dispatch() then rolls the transaction back
-            exc = BrokerUnavailable(f"the MQTT broker could not be updated, nothing changed: {exc}")
+            exc = BrokerUnavailable(
+                _("the MQTT broker could not be updated, nothing changed: %(error)s") % {"error": exc}
+            )
         return super().handle_exception(exc)
 
     @extend_schema(
@@ -168,7 +175,7 @@ class DeviceViewSet(viewsets.ModelViewSet):
         if not (
             request.user.has_perm("devices.view_device") and request.user.has_perm("devices.change_device")
         ):
-            self.permission_denied(request, message="You may not issue device credentials.")
+            self.permission_denied(request, message=_("You may not issue device credentials."))
         try:
             password = device_password_issue(device)
         except CredentialsUnavailable as exc:
@@ -202,7 +209,7 @@ class DeviceViewSet(viewsets.ModelViewSet):
         if not (
             request.user.has_perm("devices.view_device") and request.user.has_perm("devices.change_device")
         ):
-            self.permission_denied(request, message="You may not change devices.")
+            self.permission_denied(request, message=_("You may not change devices."))
         serializer = DeviceLabelsUpdateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
@@ -212,7 +219,9 @@ class DeviceViewSet(viewsets.ModelViewSet):
             devices = Device.objects.filter(name__in=data["devices"])
             unknown = sorted(set(data["devices"]) - set(devices.values_list("name", flat=True)))
             if unknown:
-                raise ValidationError({"devices": [f"unknown devices: {', '.join(unknown)}"]})
+                raise ValidationError(
+                    {"devices": [_("unknown devices: %(names)s") % {"names": ", ".join(unknown)}]}
+                )
         matched = devices.count()
         changed = device_labels_update(
             devices=devices, set_labels=data.get("set", {}), remove=data.get("remove", [])

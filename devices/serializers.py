@@ -122,10 +122,14 @@ class DeviceLabelsUpdateSerializer(serializers.Serializer):
         try:
             requirements = selector_parse(value)
         except ValueError as exc:
-            raise serializers.ValidationError(f"Not a label selector: {exc}.") from None
+            raise serializers.ValidationError(
+                _("Not a label selector: %(error)s.") % {"error": exc}
+            ) from None
         if not requirements:
             # A blank selector matches every device: the whole fleet relabelled by accident.
-            raise serializers.ValidationError("An empty selector is refused; name at least one requirement.")
+            raise serializers.ValidationError(
+                _("An empty selector is refused; name at least one requirement.")
+            )
         return value
 
     def validate_set(self, value: dict) -> dict:
@@ -137,12 +141,14 @@ class DeviceLabelsUpdateSerializer(serializers.Serializer):
 
     def validate(self, attrs: dict) -> dict:
         if ("selector" in attrs) == ("devices" in attrs):
-            raise serializers.ValidationError({"selector": ['Give either "selector" or "devices".']})
+            raise serializers.ValidationError({"selector": [_('Give either "selector" or "devices".')]})
         if not attrs.get("set") and not attrs.get("remove"):
-            raise serializers.ValidationError({"set": ['Give labels to "set" and/or keys to "remove".']})
+            raise serializers.ValidationError({"set": [_('Give labels to "set" and/or keys to "remove".')]})
         both = sorted(set(attrs.get("set", {})) & set(attrs.get("remove", [])))
         if both:
-            raise serializers.ValidationError({"remove": [f"Both set and removed: {', '.join(both)}."]})
+            raise serializers.ValidationError(
+                {"remove": [_("Both set and removed: %(keys)s.") % {"keys": ", ".join(both)}]}
+            )
         return attrs
 
 

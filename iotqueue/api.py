@@ -15,6 +15,8 @@ from typing import Any
 from django.conf import settings
 from django.db import models
 from django.http import HttpRequest, HttpResponse, JsonResponse, QueryDict
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 from rest_framework import serializers, status
 from rest_framework.exceptions import APIException, ParseError
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
@@ -30,11 +32,14 @@ class RequestTooLarge(APIException):
 
     def __init__(self) -> None:
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        super().__init__(f"The request body is larger than {limit} bytes (DATA_UPLOAD_MAX_MEMORY_SIZE).")
+        super().__init__(
+            _("The request body is larger than %(limit)d bytes (DATA_UPLOAD_MAX_MEMORY_SIZE).")
+            % {"limit": limit}
+        )
 
 
 def _too_deep_message() -> str:
-    return f"JSON nested more than {json_max_depth()} levels deep is not accepted."
+    return _("JSON nested more than %(limit)d levels deep is not accepted.") % {"limit": json_max_depth()}
 
 
 def _body_size_check(parser_context: dict | None) -> None:
@@ -65,7 +70,7 @@ def _body_read(stream, parser_context: dict | None) -> bytes:
 def _text_refuse(data) -> None:
     problem = text_problem(dict(data.lists()) if hasattr(data, "lists") else data)  # a QueryDict: every value
     if problem:
-        raise ParseError(f"Text that cannot be stored is not accepted: {problem}")
+        raise ParseError(_("Text that cannot be stored is not accepted: %(problem)s") % {"problem": problem})
 
 
 class NulRefusingJSONParser(JSONParser):
@@ -81,7 +86,7 @@ class NulRefusingJSONParser(JSONParser):
         except RecursionError:
             raise ParseError(_too_deep_message()) from None
         except ValueError as exc:  # UnicodeDecodeError included
-            raise ParseError(f"JSON parse error - {exc}") from None
+            raise ParseError(_("JSON parse error - %(error)s") % {"error": exc}) from None
         if json_too_deep(data):
             raise ParseError(_too_deep_message())
         _text_refuse(data)
@@ -113,8 +118,8 @@ class BoundedJSONField(serializers.JSONField):
     """
 
     default_error_messages = {
-        "too_deep": "JSON nested more than {limit} levels deep is not accepted.",
-        "text": "Text that cannot be stored is not accepted: {problem}",
+        "too_deep": gettext_lazy("JSON nested more than {limit} levels deep is not accepted."),
+        "text": gettext_lazy("Text that cannot be stored is not accepted: {problem}"),
     }
 
     def to_internal_value(self, data: Any) -> Any:
@@ -151,6 +156,10 @@ class NulRefusingMiddleware:
         problem = text_unstorable(request.path) or text_problem(dict(request.GET.lists()))
         if problem:
             return JsonResponse(
-                {"detail": f"Text that cannot be stored is not accepted in the URL: {problem}"}, status=400
+                {
+                    "detail": _("Text that cannot be stored is not accepted in the URL: %(problem)s")
+                    % {"problem": problem}
+                },
+                status=400,
             )
         return self.get_response(request)

@@ -9,6 +9,8 @@ from typing import Any
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import IntegrityError
 from django.db.models import ProtectedError, RestrictedError
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 from rest_framework import status
 from rest_framework.exceptions import APIException, ParseError
 from rest_framework.response import Response
@@ -27,7 +29,7 @@ UNIQUE_VIOLATION_SQLITE = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMAR
 class UniqueConflict(APIException):
     status_code = status.HTTP_409_CONFLICT
     default_code = "conflict"
-    default_detail = (
+    default_detail = gettext_lazy(
         "Another request stored the same unique value (such as the same name) at the same time; "
         "nothing was changed by this one."
     )
@@ -39,7 +41,7 @@ def _deleted_label(view: Any) -> str:
     lookup = getattr(view, "lookup_url_kwarg", None) or getattr(view, "lookup_field", None)
     key = getattr(view, "kwargs", {}).get(lookup) if lookup else None
     if model is None or key is None:
-        return "this object"
+        return _("this object")
     return f"{model._meta.verbose_name} {key!r}"
 
 
@@ -52,10 +54,10 @@ def _referrers_conflict(exc: ProtectedError | RestrictedError, context: dict) ->
         for obj in referrers[:REFERRERS_SHOWN]
     ]
     kinds = sorted({str(obj._meta.verbose_name_plural) for obj in referrers})
-    detail = (
-        f"Cannot delete {what}: {len(referrers)} object(s) still refer to it ({', '.join(kinds)}). "
+    detail = _(
+        "Cannot delete %(what)s: %(count)d object(s) still refer to it (%(kinds)s). "
         "Delete or change those first."
-    )
+    ) % {"what": what, "count": len(referrers), "kinds": ", ".join(kinds)}
     set_rollback()
     return Response(
         {"detail": detail, "referenced_by": shown, "referenced_by_count": len(referrers)},

@@ -5,6 +5,7 @@ so that a path no route matches, e.g. a device name outside the name alphabet, g
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.translation import gettext as _
 from django.views import defaults
 
 API_PREFIX = "/api/"
@@ -12,11 +13,11 @@ API_PREFIX = "/api/"
 
 def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     if request.path.startswith(API_PREFIX):
-        return JsonResponse({"detail": "Not found."}, status=404)
+        return JsonResponse({"detail": _("Not found.")}, status=404)
     return defaults.page_not_found(request, exception)
 
 
 def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     if request.path.startswith(API_PREFIX):
-        return JsonResponse({"detail": "Bad request."}, status=400)
+        return JsonResponse({"detail": _("Bad request.")}, status=400)
     return defaults.bad_request(request, exception)

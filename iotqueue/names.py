@@ -9,6 +9,7 @@ percent-encodes it; the routes' lookup pattern below takes every name the valida
 """
 
 from django.core.validators import RegexValidator
+from django.utils.translation import gettext_lazy as _
 
 # The viewsets' lookup_value_regex: one path segment. Groups need it in particular, DRF's
 # default ([^/.]+) leaves dots to format suffixes.
@@ -19,7 +20,8 @@ URL_NAME_LOOKUP_REGEX = r"[^/]+"
 # A RegexValidator (not a function) so that the OpenAPI schema shows it as the field's pattern.
 url_name_validator = RegexValidator(
     regex=r"\A\.*[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]*\Z",
-    message="A name may not contain / or \\ or control characters, nor be dots only "
-    "(it is a segment of its URL).",
+    message=_(
+        "A name may not contain / or \\ or control characters, nor be dots only (it is a segment of its URL)."
+    ),
     code="invalid",
 )

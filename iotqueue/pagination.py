@@ -7,6 +7,7 @@ and so is a page number that is not a positive integer. A page past the end stay
 404.
 """
 
+from django.utils.translation import gettext as _
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import PageNumberPagination
 
@@ -39,11 +40,15 @@ class Pagination(PageNumberPagination):
 
 def _int_param(name: str, given: str, maximum: int | None = None) -> int:
     """`given` as an integer from 1 to `maximum`, or a 400 naming the query parameter."""
-    within = f"from 1 to {maximum}" if maximum else "of at least 1"
+    problem = (
+        _("use a whole number from 1 to %(maximum)d, not %(given)r") % {"maximum": maximum, "given": given}
+        if maximum
+        else _("use a whole number of at least 1, not %(given)r") % {"given": given}
+    )
     try:
         value = int(given)
     except ValueError:
         value = 0
     if not given.strip().isdigit() or value < 1 or (maximum and value > maximum):
-        raise ValidationError({name: [f"use a whole number {within}, not {given!r}"]})
+        raise ValidationError({name: [problem]})
     return value

@@ -17,6 +17,7 @@ were undone, so carrying them over would lie), and runs already retried (retry t
 from __future__ import annotations
 
 from django.db import IntegrityError, transaction
+from django.utils.translation import gettext as _
 
 from .events import event_record
 from .models import JobRun, Phase, RunStatus, StepRun, StepStatus, Trigger
@@ -88,24 +89,32 @@ def run_retry(*, run: JobRun, by: str, trigger: str = Trigger.REST) -> JobRun:
             )
             transaction.on_commit(lambda: _run_enqueue(retry))
     except IntegrityError:
-        raise RetryError(f"run {run.pk} was already retried; retry that run instead") from None
+        raise RetryError(
+            _("run %(run)s was already retried; retry that run instead") % {"run": run.pk}
+        ) from None
     return retry
 
 
 def _retryable_check(run: JobRun) -> None:
     existing = JobRun.objects.filter(retry_of=run).values_list("pk", flat=True).first()
     if existing:
-        raise RetryError(f"run {run.pk} was already retried as {existing}; retry that run instead")
+        raise RetryError(
+            _("run %(run)s was already retried as %(retry)s; retry that run instead")
+            % {"run": run.pk, "retry": existing}
+        )
     if run.status not in RETRYABLE:
         if run.status == RunStatus.COMPENSATED:
-            raise RetryError("the run was rolled back, so its earlier steps were undone: start a new run")
-        raise RetryError(f"only failed, timed-out or canceled runs can be retried; this one is {run.status}")
+            raise RetryError(_("the run was rolled back, so its earlier steps were undone: start a new run"))
+        raise RetryError(
+            _("only failed, timed-out or canceled runs can be retried; this one is %(status)s")
+            % {"status": run.status}
+        )
     if run.step_runs.filter(phase=Phase.COMPENSATION).exists():
         raise RetryError(
-            "the run was (partly) rolled back, so its earlier steps were undone: start a new run"
+            _("the run was (partly) rolled back, so its earlier steps were undone: start a new run")
         )
     if not run.plan:
-        raise RetryError("the run has no steps")
+        raise RetryError(_("the run has no steps"))
 
 
 def _retry_start(run: JobRun) -> int:

@@ -5,6 +5,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Prefetch
+from django.utils.translation import gettext as _
 from rest_framework import serializers
 
 from devices.models import Device, DeviceGroup
@@ -30,7 +31,8 @@ class JobStepListSerializer(serializers.ListSerializer):
         limit = settings.IOTQUEUE_TEMPLATE_MAX_STEPS
         if isinstance(data, list) and len(data) > limit:
             raise serializers.ValidationError(
-                f"A template has at most {limit} steps (IOTQUEUE_TEMPLATE_MAX_STEPS), not {len(data)}."
+                _("A template has at most %(limit)d steps (IOTQUEUE_TEMPLATE_MAX_STEPS), not %(count)d.")
+                % {"limit": limit, "count": len(data)}
             )
         return super().to_internal_value(data)
 
@@ -70,7 +72,7 @@ class JobTemplateSerializer(serializers.ModelSerializer):
 
     def validate_steps(self, steps: list[dict]) -> list[dict]:
         if not steps:
-            raise serializers.ValidationError("A template needs at least one step.")
+            raise serializers.ValidationError(_("A template needs at least one step."))
         instances = [JobStep(**step) for step in steps]
         problems = template_errors(instances)
         if problems:
@@ -84,7 +86,7 @@ class JobTemplateSerializer(serializers.ModelSerializer):
             )
         positions = [s["position"] for s in steps]
         if len(set(positions)) != len(positions):
-            raise serializers.ValidationError("Step positions must be unique.")
+            raise serializers.ValidationError(_("Step positions must be unique."))
         return steps
 
     @transaction.atomic

@@ -1,11 +1,13 @@
 """The triggers app: beat schedules and MQTT trigger rules that start runs."""
 
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class TriggersConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
     name = "triggers"
+    verbose_name = _("Triggers")
 
     def ready(self) -> None:
         from django.db.models.signals import post_delete

@@ -1,11 +1,13 @@
 """The webhooks app: hooks the run lifecycle of jobs.events to the ways events leave."""
 
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class WebhooksConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
     name = "webhooks"
+    verbose_name = _("Webhooks")
 
     def ready(self) -> None:
         from django.core import checks

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import Q
 from django.utils.html import format_html
+from django.utils.translation import gettext_lazy as _
 
 from devices.models import Device
 
@@ -63,13 +64,13 @@ class StepRunAdmin(ReadOnlyAdmin):
     list_filter = ["status"]
     list_select_related = ["run__template", "device"]
     search_fields = ["command_id__exact", "device__name__exact"]  # as get_search_results does it
-    search_help_text = "A command id or a device name (exact)."
+    search_help_text = _("A command id or a device name (exact).")
     raw_id_fields = ["run", "device"]
 
     class Media:
         css = {"all": ["jobs/admin.css"]}
 
-    @admin.display(description="run")
+    @admin.display(description=_("run"))
     def run_link(self, step_run: StepRun) -> str:
         return format_html('<a href="{}">{}</a>', run_url(step_run.run_id), step_run.run)
 
@@ -85,7 +86,7 @@ class StepRunAdmin(ReadOnlyAdmin):
         devices = list(Device.objects.filter(name=term).values_list("pk", flat=True))
         return queryset.filter(Q(command_id=term) | Q(device_id__in=devices)), False
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=_("status"), ordering="status")
     def status_badge(self, step_run: StepRun) -> str:
         return status_badge(step_run.status)
 
@@ -93,14 +94,14 @@ class StepRunAdmin(ReadOnlyAdmin):
 class EventToneFilter(admin.SimpleListFilter):
     """Fixed choices: a filter on `kind` itself would scan millions of rows for its values."""
 
-    title = "kind"
+    title = _("kind")
     parameter_name = "tone"
     FAMILIES = ("run.", "step.", "reply.", "message.", "lock.")
 
     def lookups(self, request, model_admin):
         return [
-            ("attention", "stale / dropped / offline / interventions"),
-            ("failure", "failures and timeouts"),
+            ("attention", _("stale / dropped / offline / interventions")),
+            ("failure", _("failures and timeouts")),
             *((family, f"{family}*") for family in self.FAMILIES),
         ]
 
@@ -121,10 +122,10 @@ class RunEventAdmin(ReadOnlyAdmin):
     list_filter = [EventToneFilter]
     list_select_related = ["run__template"]
     search_fields = ["device__exact", "kind__exact"]  # both indexed: runevent_device_id, kind
-    search_help_text = "A device name or an event kind (exact), e.g. pump-0042 or reply.stale."
+    search_help_text = _("A device name or an event kind (exact), e.g. pump-0042 or reply.stale.")
     raw_id_fields = ["run", "step_run"]
 
-    @admin.display(description="run")
+    @admin.display(description=_("run"))
     def run_link(self, event: RunEvent) -> str:
         if event.run_id is None:
             return "-"

@@ -8,6 +8,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.template.response import TemplateResponse
 from django.urls import path
+from django.utils.translation import gettext as _
 
 from ..models import JobTemplate, TemplateVersion
 from ..services import plan_step_target
@@ -43,7 +44,11 @@ class TemplateVersionsAdminMixin:
         for version, older in zip(versions, [*versions[1:], None], strict=True):
             version.previous_number = older.number if older else None
         return self._versions_render(
-            request, template, "versions.html", title=f"Versions of {template.name}", versions=versions
+            request,
+            template,
+            "versions.html",
+            title=_("Versions of %(template)s") % {"template": template.name},
+            versions=versions,
         )
 
     def version_view(self, request, object_id, number: int):
@@ -54,7 +59,8 @@ class TemplateVersionsAdminMixin:
             request,
             template,
             "version.html",
-            title=f"{template.name}, version {version.number}",
+            title=_("%(template)s, version %(number)d")
+            % {"template": template.name, "number": version.number},
             version=version,
             steps=version_steps(version),
             snapshot=snapshot_text(version_snapshot(version)),
@@ -75,7 +81,8 @@ class TemplateVersionsAdminMixin:
             request,
             template,
             "versions_diff.html",
-            title=f"{template.name}: version {old} → {new}",
+            title=_("%(template)s: version %(old)d → %(new)d")
+            % {"template": template.name, "old": old, "new": new},
             old=old_version,
             new=new_version,
             numbers=numbers,
