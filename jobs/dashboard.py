@@ -416,10 +416,16 @@ def rollouts_active(*, now: datetime | None = None, limit: int = ROLLOUTS_SHOWN)
     for run_id, status, n, started in rows:
         by_run.setdefault(run_id, Counter())[status] = n
         recent[run_id] += started
-    return [_rollout(run, by_run.get(run.pk, Counter()), recent[run.pk]) for run in runs]
+    return [
+        rollout_summary(run=run, by_status=by_run.get(run.pk, Counter()), started_last_minute=recent[run.pk])
+        for run in runs
+    ]
 
 
-def _rollout(run: JobRun, by_status: Counter, started_last_minute: int) -> Rollout:
+def rollout_summary(*, run: JobRun, by_status: Mapping[str, int], started_last_minute: int) -> Rollout:
+    """A running fan-out at the run's cursor, from its rows by status and how many started
+    within the rate window: pure, no query."""
+    by_status = Counter(by_status)
     spec = run.plan[run.cursor]
     base = spec.get("rollout_per_minute") or 0
     factor = spec.get("rollout_increment_factor") or 1.0
