@@ -29,6 +29,11 @@ run_start_schema = extend_schema(
             description="A replay: a run with this `idempotency_key` exists already; it is returned "
             "as it stands and nothing new starts.",
         ),
+        400: OpenApiResponse(
+            description="Invalid input, nothing started. Among others `parameters` lacking a name the "
+            'template\'s steps read: `{"parameters": ["missing parameter: level (the template\'s '
+            'steps read it as {{ params.level }})"]}`.'
+        ),
     },
     examples=[
         OpenApiExample(

@@ -19,7 +19,12 @@ class RunStartSerializer(serializers.Serializer):
     template_version = serializers.IntegerField(
         required=False, min_value=1, help_text="Run this version of the template (default: as it is now)."
     )
-    parameters = BoundedJSONField(required=False, default=dict)
+    parameters = BoundedJSONField(
+        required=False,
+        default=dict,
+        help_text="Read by the steps as {{ params.NAME }}: every name the template's steps read (and "
+        "each device_param) must be given, or the answer is 400 naming the missing ones.",
+    )
     priority = serializers.IntegerField(required=False, min_value=0, max_value=9)
     idempotency_key = serializers.CharField(required=False, max_length=200, allow_blank=False)
     for_each = BoundedJSONField(
