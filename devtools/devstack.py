@@ -55,7 +55,7 @@ def access_block(*, web_url: str, api_token: str, metrics_token: str, environmen
             f"  admin    {web_url}/admin/    login {user} / {password}",
             f"  API      {web_url}/api/      header  Authorization: Token {api_token}",
             f"  metrics  {web_url}/metrics   header  Authorization: Bearer {metrics_token}",
-            "  In another shell, to use manage.py commands and curl against this stack:",
+            "  In another shell, for the CLI (manage.py) and curl against this stack:",
             f"  export {export}",
             '  e.g. .venv/bin/python manage.py runs   or   curl -H "Authorization: Token $TOKEN" $API/runs/',
             RULE,
