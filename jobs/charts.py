@@ -18,10 +18,10 @@ from django.utils.translation import gettext as _
 # Drawing units of the viewBox; the SVG scales to its box's width (CSS), these only set
 # the proportions and the room left for the axis labels.
 WIDTH = 640
-HEIGHT = 200
-LEFT = 36  # room for the count labels of the y axis
-BOTTOM = 22  # room for the bar labels
-TOP = 8
+HEIGHT = 220
+LEFT = 44  # room for the count labels of the y axis
+BOTTOM = 26  # room for the bar labels
+TOP = 10
 GAP = 0.2  # of each bar's slot left empty between bars
 
 
@@ -72,7 +72,7 @@ def stacked_bars_svg(
                 format_html(
                     '<text class="iq-chart-label" x="{}" y="{}" text-anchor="middle">{}</text>',
                     _n(x + w / 2),
-                    HEIGHT - 6,
+                    HEIGHT - 7,
                     bar.label,
                 )
             )
@@ -103,7 +103,7 @@ def _grid(top: int, plot_h: float) -> str:
     lines = []
     for value in sorted({0, top // 2, top}):
         y = TOP + plot_h - plot_h * value / top
-        lines.append((LEFT, _n(y), WIDTH, _n(y), LEFT - 4, _n(y + 4), value))
+        lines.append((LEFT, _n(y), WIDTH, _n(y), LEFT - 6, _n(y + 5), value))
     return format_html_join(
         "",
         '<line class="iq-chart-grid" x1="{}" y1="{}" x2="{}" y2="{}"/>'

@@ -221,9 +221,17 @@ def rollouts_context(now: datetime) -> list[dict[str, Any]]:
     return out
 
 
+CAUSE_NAMES = {
+    AbortCause.FAILED: gettext_lazy("failed"),
+    AbortCause.REJECTED: gettext_lazy("rejected"),
+    AbortCause.TIMED_OUT: gettext_lazy("timed out"),
+    AbortCause.ANY: gettext_lazy("failed, rejected, timed out or canceled"),
+}
+
+
 def _cause_name(cause: str) -> str:
     """What an abort criterion counts, for people."""
-    return str(AbortCause(cause).label) if cause in AbortCause.values else cause
+    return str(CAUSE_NAMES.get(cause, cause))
 
 
 def _percent(n: int, total: int) -> float:
@@ -243,6 +251,7 @@ def dashboard_context(request) -> dict[str, Any]:
     label = request.GET.get("label") or None
     board = fleet_board(label=label)
     return {
+        "title": _("Dashboard"),
         "now": now,
         "fleet": fleet_context(board),
         "chart": chart_context(runs_by_status(now=now)),
