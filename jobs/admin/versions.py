@@ -41,7 +41,7 @@ class TemplateVersionsAdminMixin:
         """The template's history: every version, newest first, with its author and time."""
         template = self._versions_template(request, object_id)
         versions = list(template.versions.select_related("author").order_by("-number"))
-        for version, older in zip(versions, [*versions[1:], None], strict=True):
+        for version, older in zip(versions, [*versions[1:], None], strict=False):
             version.previous_number = older.number if older else None
         return self._versions_render(
             request,

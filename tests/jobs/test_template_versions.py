@@ -138,6 +138,20 @@ def test_admin_saves_record_versions_and_show_history_and_diff(client):
 
 
 @pytest.mark.django_db
+def test_the_history_of_a_template_without_versions_says_so(client):
+    # given a template written with the ORM (a shell), which has no version until it runs
+    template = JobTemplate.objects.create(name="Shell")
+    client.force_login(User.objects.create_superuser("boss", "boss@example.com", "pw"))
+
+    # when its history is opened
+    response = client.get(f"/admin/jobs/jobtemplate/{template.pk}/versions/")
+
+    # then the page says there is none yet (it answered 500 before)
+    assert response.status_code == 200
+    assert "No versions yet" in response.text
+
+
+@pytest.mark.django_db
 def test_admin_version_pages_need_the_view_permission(client):
     template = JobTemplate.objects.create(name="Hidden")
     viewer = User.objects.create_user("nobody", is_staff=True)
