@@ -12,13 +12,17 @@ import logging
 import shutil
 import time
 from collections import Counter
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+import wcwidth
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection
 from django.db.models import Prefetch
 from django.utils import timezone
+from django.utils.translation import gettext as _
+from redis.exceptions import RedisError
 
 from .models import (
     STEP_IN_FLIGHT,
@@ -32,6 +36,7 @@ from .models import (
     StepStatus,
 )
 from .services import plan_step_target
+from .waiting import Waiting, run_current_row, runs_steps_waiting
 
 # How often following re-reads the run. A healthy device answers within tens of
 # milliseconds, so some states flash past unseen; a quarter second still shows a slow
@@ -111,6 +116,34 @@ def run_load(run_id: Any) -> JobRun:
 # --- formatting -------------------------------------------------------------------------
 
 
+def display_width(text: str) -> int:
+    """Columns `text` takes in a terminal: a CJK character takes two (wcwidth)."""
+    return wcwidth.width(text)
+
+
+def printable(text: str) -> str:
+    """Text safe to print in a table: a control character (an escape sequence from a device's
+    error, a newline) would move the cursor and break the row, so it shows as "?"."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def pad(text: str, width: int, *, right: bool = False) -> str:
+    """`text` padded to `width` display columns (left-aligned unless `right`); never cut."""
+    text = printable(text)
+    return wcwidth.rjust(text, width) if right else wcwidth.ljust(text, width)
+
+
+def cell(text: str, width: int, *, right: bool = False) -> str:
+    """`text` in exactly `width` display columns: cut when longer, padded when shorter.
+
+    A wide character that would straddle the edge is left out (a space takes its place).
+    """
+    text = printable(text)
+    if display_width(text) > width:
+        text = wcwidth.clip(text, 0, width)
+    return pad(text, width, right=right)
+
+
 def progress_bar(percent: int | None) -> str:
     """`[###-------]  30%`; an empty bar when there is nothing to measure yet."""
     if percent is None:
@@ -181,20 +214,24 @@ def _row_percent(row: StepRun) -> int | None:
 
 def _line(label: str, bar: str, status: str, detail: str, what: str, note: str = "") -> str:
     """Fixed-width columns first, names last: a narrow terminal cuts names, not the bar."""
-    line = f"  {label:>7}  {bar}  {status:<11} {detail:<7}  {what}"
-    return f"{line}: {note}" if note else line
+    line = f"  {pad(label, 7, right=True)}  {bar}  {pad(status, 11)} {pad(detail, 7)}  {printable(what)}"
+    return f"{line}: {printable(note)}" if note else line
 
 
-def _row_line(label: str, row: StepRun, spec: dict) -> str:
-    """A step on one device: its status, attempt, progress and, once it failed, why."""
+def _row_line(label: str, row: StepRun, spec: dict, waiting: Waiting | None = None) -> str:
+    """A step on one device: its status, attempt, progress and why it waits, or once it
+    failed, why it failed."""
     tries = f"try {row.attempt}/{spec.get('max_attempts', 1)}" if row.attempt else ""
     note = row.error[:80] if row.is_terminal and row.error else ""
+    if waiting is not None and not row.is_terminal:
+        note = waiting.message
     what = f"{row.device_name or plan_step_target(spec)} {_step_action(spec)}"
     return _line(label, progress_bar(_row_percent(row)), row.status, tries, what, note)
 
 
-def _fanout_line(label: str, rows: list[StepRun], spec: dict) -> str:
-    """A step sent to many devices: how many have finished, and the status breakdown."""
+def _fanout_line(label: str, rows: list[StepRun], spec: dict, waiting: Waiting | None = None) -> str:
+    """A step sent to many devices: how many have finished, the status breakdown, and why
+    its oldest unfinished device waits."""
     counts = Counter(row.status for row in rows)
     finished = sum(n for status, n in counts.items() if status in STEP_TERMINAL)
     if finished == len(rows):
@@ -203,14 +240,17 @@ def _fanout_line(label: str, rows: list[StepRun], spec: dict) -> str:
         overall = "pending" if counts[StepStatus.PENDING] == len(rows) else "running"
     breakdown = ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
     what = f"{plan_step_target(spec)} {_step_action(spec)}"
+    note = f"{breakdown}; {waiting.message}" if waiting is not None else breakdown
     return _line(
-        label, progress_bar(finished * 100 // len(rows)), overall, f"{finished}/{len(rows)}", what, breakdown
+        label, progress_bar(finished * 100 // len(rows)), overall, f"{finished}/{len(rows)}", what, note
     )
 
 
-def step_lines(run: JobRun) -> dict[str, str]:
+def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dict[str, str]:
     """One line per step of the run's plan, then one per compensation (rollback) row; keyed
-    by what the line is about, so a follower can tell which line changed."""
+    by what the line is about, so a follower can tell which line changed. With `waiting`
+    (by row pk: `run_waiting_read`), a waiting row's line says why it waits."""
+    waiting = waiting or {}
     forward: dict[int, list[StepRun]] = {}
     compensations = []
     for row in run.step_runs.all():
@@ -222,14 +262,33 @@ def step_lines(run: JobRun) -> dict[str, str]:
     for index, spec in enumerate(run.plan):
         rows, label = forward.get(index, []), f"#{index}"
         if spec.get("group") or spec.get("labels") or spec.get("selector"):
-            lines[label] = _fanout_line(label, rows, spec) if rows else _not_started_line(run, label, spec)
+            current = run_current_row(rows)
+            told = waiting.get(current.pk) if current is not None else None
+            lines[label] = (
+                _fanout_line(label, rows, spec, told) if rows else _not_started_line(run, label, spec)
+            )
         elif rows:
-            lines.update((f"{label}/{row.pk}", _row_line(label, row, spec)) for row in rows)
+            lines.update(
+                (f"{label}/{row.pk}", _row_line(label, row, spec, waiting.get(row.pk))) for row in rows
+            )
         else:
             lines[label] = _not_started_line(run, label, spec)
     for row in sorted(compensations, key=lambda r: r.pk):
-        lines[f"undo/{row.pk}"] = _row_line(f"undo #{row.index}", row, {"action": row.action})
+        undo = _row_line(f"undo #{row.index}", row, {"action": row.action}, waiting.get(row.pk))
+        lines[f"undo/{row.pk}"] = undo
     return lines
+
+
+def run_waiting_read(run: JobRun) -> tuple[Waiting | None, dict[int, Waiting]]:
+    """Why the run (loaded by `run_load`) and each of its rows wait: one Redis round trip.
+
+    Redis out of reach: no reasons (the lines show the rows as they are), never a crash.
+    """
+    try:
+        by_run, by_row = runs_steps_waiting([run], run.step_runs.all())
+    except RedisError:
+        return None, {}
+    return by_run.get(run.pk), by_row
 
 
 def _not_started_line(run: JobRun, label: str, spec: dict) -> str:
@@ -239,7 +298,7 @@ def _not_started_line(run: JobRun, label: str, spec: dict) -> str:
 
 def event_line(event: RunEvent) -> str:
     when = timezone.localtime(event.created_at).strftime("%H:%M:%S.%f")[:-3]
-    return f"  {when}  {event.kind:<24} {event.device or '-':<20} {event.message}"
+    return f"  {when}  {pad(event.kind, 24)} {pad(event.device or '-', 20)} {printable(event.message)}"
 
 
 def timeline_lines(run: JobRun, *, limit: int) -> list[str]:
@@ -253,8 +312,9 @@ def timeline_lines(run: JobRun, *, limit: int) -> list[str]:
     return lines
 
 
-def run_detail_lines(run: JobRun) -> list[str]:
-    """The header block of `run_show`: what the run is, who started it, how it ended."""
+def run_detail_lines(run: JobRun, waiting: Waiting | None = None) -> list[str]:
+    """The header block of `run_show`: what the run is, who started it, how it ended, and
+    while it goes on, what it waits for."""
     zone = timezone.get_current_timezone_name()
     lines = [
         f"run         {run.pk}  ({run.template.name})",
@@ -271,33 +331,58 @@ def run_detail_lines(run: JobRun) -> list[str]:
         lines.append(f"retry of    {run.retry_of_id}")
     if run.idempotency_key:
         lines.append(f"idem. key   {run.idempotency_key}")
+    if waiting is not None:
+        after_status = next(i for i, line in enumerate(lines) if line.startswith("status")) + 1
+        lines.insert(after_status, f"waiting     {waiting.reason}: {printable(waiting.message)}")
     return lines
 
 
-RUN_TABLE_HEADER = "{:<8}  {:<20} {:<12} {:>5}  {:<20} {:<19}  {:>7}  {}"
+# The columns of `runs`: display width and alignment (True: right), the last one unbounded.
+RUN_TABLE_COLUMNS = ((8, False), (20, False), (12, False), (5, True), (20, False), (19, False), (7, True))
+# The WAITING column holds a reason code (jobs/waiting.py REASONS; the longest is 17).
+WAITING_WIDTH = 17
+# The last column: why an active run waits, or why a finished one failed (cut: an error can
+# be a whole fan-out's breakdown).
+ERROR_CHARS = 80
 
 
-def run_table_lines(runs: list[JobRun]) -> list[str]:
+def table_row(cells: list[str], columns: tuple[tuple[int, bool], ...], last: str = "") -> str:
+    """One row of a table whose columns are (width, right-aligned); aligned by display width,
+    so CJK names line up; the `last` column is not padded."""
+    parts = [cell(text, width, right=right) for text, (width, right) in zip(cells, columns, strict=True)]
+    return "  ".join([*parts, printable(last)]).rstrip()
+
+
+def run_table_lines(runs: list[JobRun], waiting: Mapping[Any, Waiting] | None = None) -> list[str]:
+    """The `runs` table; `waiting` (jobs.waiting.runs_waiting of the runs) fills WAITING."""
+    waiting = waiting or {}
     zone = timezone.get_current_timezone_name()
-    lines = [
-        RUN_TABLE_HEADER.format(
-            "ID", "TEMPLATE", "STATUS", "STEP", "TRIGGER", f"CREATED ({zone})", "TOOK", "ERROR"
-        )
+    columns = (*RUN_TABLE_COLUMNS, (WAITING_WIDTH, False))
+    header = [
+        _("ID"),
+        _("TEMPLATE"),
+        _("STATUS"),
+        _("STEP"),
+        _("TRIGGER"),
+        _("CREATED (%(zone)s)") % {"zone": zone},
+        _("TOOK"),
+        _("WAITING"),
     ]
+    lines = [table_row(header, columns, _("WHY / ERROR"))]
     for run in runs:
         took = run_duration(run) if run.started_at else "-"
-        lines.append(
-            RUN_TABLE_HEADER.format(
-                run_short_id(run),
-                run.template.name[:20],
-                run.status,
-                run_position(run),
-                trigger_label(run)[:20],
-                time_text(run.created_at, with_date=True),
-                took,
-                run.error[:60],
-            ).rstrip()
-        )
+        told = waiting.get(run.pk)
+        cells = [
+            run_short_id(run),
+            run.template.name,
+            run.status,
+            run_position(run),
+            trigger_label(run),
+            time_text(run.created_at, with_date=True),
+            took,
+            told.reason if told else "-",
+        ]
+        lines.append(table_row(cells, columns, told.message if told else run.error[:ERROR_CHARS]))
     return lines
 
 
@@ -313,7 +398,8 @@ class LogView:
 
     def show(self, run: JobRun) -> None:
         stamp = time.strftime("%H:%M:%S")
-        for key, line in {"run": run_headline(run), **step_lines(run)}.items():
+        lines = step_lines(run, run_waiting_read(run)[1])
+        for key, line in {"run": run_headline(run), **lines}.items():
             if self.shown.get(key) != line:
                 self.shown[key] = line
                 self.out.write(f"{stamp}  {line.strip() if key == 'run' else line}")
@@ -335,7 +421,7 @@ class TerminalView:
         last = run.events.order_by("-id").first()
         lines = [
             f"{run_headline(run)}  {run_duration(run)}",
-            *step_lines(run).values(),
+            *step_lines(run, run_waiting_read(run)[1]).values(),
             f"  last event: {event_line(last).strip()}" if last else "",
         ]
         lines += [""] * (self.drawn - len(lines))  # never leave a stale line of a longer frame

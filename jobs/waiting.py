@@ -496,3 +496,82 @@ def runs_stuck(
     found = [runs[pk] for pk, _when in chosen if pk in runs]
     waiting = runs_waiting(found, now=now)
     return [StuckRun(run, waiting[run.pk], now - since[run.pk]) for run in found if run.pk in waiting]
+
+
+# --- a device's work: who holds it, who waits for it ---------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """A step row named for people: run, step index, action, template."""
+
+    step_run: int
+    run: uuid.UUID
+    index: int
+    action: str
+    template: str
+    queue_position: int | None = None  # in the device's lock queue; None: waiting outside it
+
+    def label(self) -> str:
+        return _("run %(run)s step #%(step)s %(action)s") % {
+            "run": str(self.run)[:8],
+            "step": self.index,
+            "action": self.action,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceWork:
+    """A device's lock and the steps waiting for the device.
+
+    `queued` lists the lock queue in its order, then the steps queued for the device outside
+    the lock queue (it is offline: they ask for the lock when it is back), oldest first;
+    `others` are lock holders that are not step rows (a locked Celery task), by name.
+    """
+
+    device: str
+    lock: LockState
+    holder: StepRef | None
+    queued: list[StepRef]
+    others: list[str]
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.queued) + len(self.others)
+
+
+def devices_work(devices: Sequence[str]) -> dict[str, DeviceWork]:
+    """`DeviceWork` of each named device: one Redis pipeline and one query for all of them."""
+    if not devices:
+        return {}
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for device in devices:
+            device_lock_state_read(device, pipe=pipe)
+        replies = pipe.execute()
+    n = LOCK_STATE_REPLIES
+    locks = {d: device_lock_state_parse(d, replies[n * i : n * i + n]) for i, d in enumerate(devices)}
+    held = {holder_step_id(lock.holder) for lock in locks.values() if lock.holder}
+    held.discard(None)
+    rows = list(
+        StepRun.objects.filter(Q(pk__in=held) | Q(device__name__in=devices, status=StepStatus.QUEUED))
+        .order_by("queued_at", "pk")
+        .values_list("pk", "run_id", "index", "action", "run__template__name", "device__name")
+    )
+    refs = {pk: StepRef(pk, run, index, action, template) for pk, run, index, action, template, _d in rows}
+    queued_for: dict[str, list[int]] = {}
+    for pk, *_rest, device in rows:
+        queued_for.setdefault(device, []).append(pk)
+    work = {}
+    for device, lock in locks.items():
+        in_queue, others = [], []
+        for position, holder in enumerate(lock.queue, start=1):
+            ref = refs.get(holder_step_id(holder) or -1)
+            if ref is None:
+                others.append(holder)
+            else:
+                in_queue.append(replace(ref, queue_position=position))
+        holder = refs.get(holder_step_id(lock.holder) or -1) if lock.holder else None
+        listed = {ref.step_run for ref in in_queue} | ({holder.step_run} if holder else set())
+        outside = [refs[pk] for pk in queued_for.get(device, []) if pk not in listed]
+        work[device] = DeviceWork(device, lock, holder, in_queue + outside, others)
+    return work

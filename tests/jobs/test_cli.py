@@ -14,7 +14,8 @@ from devtools.processes import manage_argv
 from devtools.simulator import DeviceBehaviour
 from jobs.cli import TerminalView, progress_bar, run_load, step_lines
 from jobs.models import JobRun, JobStep, RunEvent, RunStatus, StepRun, StepStatus
-from jobs.services import template_plan
+from jobs.services import run_start, template_plan
+from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
 
 # A device slow enough that following, which polls four times a second, sees it working:
@@ -313,3 +314,48 @@ def test_terminal_view_redraws_in_place():
 def test_progress_bar():
     assert progress_bar(50) == "[#####-----]  50%"
     assert progress_bar(None).strip() == "[          ]"
+
+
+# --- why runs wait ----------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+def test_runs_run_show_and_locks_say_why_runs_wait(stack, manual_device):
+    # given a device working on run A (it never answers), run B queued behind it, and run C
+    # waiting for a device that went offline
+    busy = DeviceFactory()
+    hand = manual_device(busy.name)
+    first, _ = run_start(template=template_with_steps((busy, "long", {})))
+    hand.next_command()
+    second, _ = run_start(template=template_with_steps((busy, "after", {})))
+    offline = DeviceFactory(online=False, last_seen=timezone.now() - timedelta(minutes=3))
+    third, _ = run_start(template=template_with_steps((offline, "on", {})))
+    for run in (second, third):
+        wait_for(lambda run=run: RunEvent.objects.filter(run=run, kind="step.waiting").exists(), what="waits")
+
+    def output(*args) -> str:
+        out = io.StringIO()
+        call_command(*args, stdout=out)
+        return out.getvalue()
+
+    # when the runs are listed: a WAITING column says why each waits
+    table = output("runs", "--status", "running")
+    assert "WAITING" in table.splitlines()[0]
+    assert lines_with(table, str(first.pk)[:8], "device_working")
+    assert lines_with(table, str(second.pk)[:8], "device_busy", f"run {str(first.pk)[:8]} step #0")
+    assert lines_with(table, str(third.pk)[:8], "device_offline", f"Device {offline.name} is offline since")
+
+    # when run C is shown: its header and its step say the device is offline
+    shown = output("run_show", str(third.pk)[:8])
+    assert "waiting     device_offline: " in shown
+    assert lines_with(shown, "#0", offline.name, "queued", f"Device {offline.name} is offline since")
+
+    # when the locks are listed: the holder is run A's step, B waits first in the queue, and
+    # C counts as waiting for its offline device although it is outside the lock queue
+    locks = output("locks", busy.name, offline.name)
+    holder, queued = f"run {str(first.pk)[:8]} step #0 long", f"1. run {str(second.pk)[:8]}"
+    assert lines_with(locks, busy.name, holder, queued)
+    (offline_line,) = lines_with(locks, offline.name)
+    assert f"(offline) run {str(third.pk)[:8]} step #0 on" in offline_line
+    assert offline_line.split()[1:2] == ["-"]  # nobody holds it

@@ -102,7 +102,7 @@ def test_locks_command_shows_holder_and_force_releases(silent_run):
     device, run = silent_run
     out = StringIO()
     call_command("locks", device.name, stdout=out)
-    assert f"holder=step:{run.step_runs.get().pk}" in out.getvalue()
+    assert f"run {str(run.pk)[:8]} step #0" in out.getvalue()  # the holder's run and step
     call_command("locks", device.name, "--force-release", "--by", "ops", stdout=out)
     assert RunEvent.objects.filter(kind="lock.force_released", message__contains="ops").exists()
 

@@ -3,18 +3,67 @@
 from datetime import UTC, datetime
 
 from django.core.management.base import BaseCommand, CommandError
+from django.utils.translation import gettext as _
 
-from devices.locks import device_lock_state
 from devices.models import Device
 from jobs.cancel import lock_force_release
+from jobs.cli import printable, table_row
+from jobs.waiting import DeviceWork, devices_work
+
+# Waiting steps named after the queue length; the rest are counted, not listed.
+QUEUED_SHOWN = 3
+# DEVICE, HOLDER, FENCE, SINCE, LEASE UNTIL, QUEUE: (display width, right-aligned).
+COLUMNS = ((24, False), (36, False), (6, True), (8, False), (11, False), (5, True))
 
 
 def _when(ms: int | None) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%H:%M:%S") if ms else "-"
 
 
+def holder_text(work: DeviceWork) -> str:
+    """The holder's run and step (`run 0a1b2c3d step #1 on`), or the raw holder name when it is
+    not a step (a locked Celery task), or "-"."""
+    if work.holder is not None:
+        return work.holder.label()
+    return work.lock.holder or "-"
+
+
+def queued_text(work: DeviceWork) -> str:
+    """Who waits, in order: lock queue entries with their position, then the steps waiting
+    outside the lock queue for the device to come online."""
+    names = []
+    for ref in work.queued[:QUEUED_SHOWN]:
+        where = f"{ref.queue_position}." if ref.queue_position else _("(offline)")
+        names.append(f"{where} {ref.label()}")
+    names += work.others[: max(0, QUEUED_SHOWN - len(names))]
+    more = work.queue_length - len(names)
+    if more > 0:
+        names.append(_("and %(count)s more") % {"count": more})
+    return "; ".join(names)
+
+
+def lock_lines(works: list[DeviceWork]) -> list[str]:
+    header = [_("DEVICE"), _("HOLDER"), _("FENCE"), _("SINCE"), _("LEASE UNTIL"), _("QUEUE")]
+    lines = [table_row(header, COLUMNS, _("WAITING"))]
+    for work in works:
+        cells = [
+            work.device,
+            holder_text(work),
+            str(work.lock.fence or "-"),
+            _when(work.lock.since_ms),
+            _when(work.lock.lease_until_ms),
+            str(work.queue_length),
+        ]
+        lines.append(table_row(cells, COLUMNS, queued_text(work)))
+    return lines
+
+
 class Command(BaseCommand):
-    help = "Show who holds each device's lock and who waits; optionally force-release (audited)."
+    help = (
+        "Show who holds each device's lock (run and step) and who waits for the device, "
+        "including steps waiting for it to come online; optionally force-release (audited). "
+        "Times are UTC."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("devices", nargs="*", help="device names (default: every device)")
@@ -28,16 +77,13 @@ class Command(BaseCommand):
             missing = set(options["devices"]) - {d.name for d in devices}
             if missing:
                 raise CommandError(f"no such device: {', '.join(sorted(missing))}")
-        for device in devices:
-            if options["force_release"]:
+        if options["force_release"]:
+            for device in devices:
                 holder = lock_force_release(device=device, by=options["by"])
-                self.stdout.write(
-                    f"{device.name}: released from {holder}" if holder else f"{device.name}: free"
-                )
-                continue
-            state = device_lock_state(device.name)
-            self.stdout.write(
-                f"{device.name:<24} holder={state.holder or '-':<14} fence={state.fence or '-':<6} "
-                f"since={_when(state.since_ms)} lease_until={_when(state.lease_until_ms)} "
-                f"queue={len(state.queue)} {' '.join(state.queue[:5])}"
-            )
+                name = printable(device.name)
+                self.stdout.write(f"{name}: released from {holder}" if holder else f"{name}: free")
+            return
+        names = list(devices.values_list("name", flat=True))
+        works = devices_work(names)
+        for line in lock_lines([works[name] for name in names]):
+            self.stdout.write(line)

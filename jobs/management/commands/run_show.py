@@ -10,6 +10,7 @@ from jobs.cli import (
     run_load,
     run_short_id,
     run_wait,
+    run_waiting_read,
     step_lines,
     timeline_lines,
 )
@@ -57,10 +58,11 @@ class Command(BaseCommand):
 
     def _show(self, run, events: int) -> None:
         run = run_load(run.pk)
-        for line in run_detail_lines(run):
+        waiting, steps_waiting = run_waiting_read(run)
+        for line in run_detail_lines(run, waiting):
             self.stdout.write(line)
         self.stdout.write("\nsteps")
-        for line in step_lines(run).values():
+        for line in step_lines(run, steps_waiting).values():
             self.stdout.write(line)
         self.stdout.write("\ntimeline")
         for line in timeline_lines(run, limit=events):

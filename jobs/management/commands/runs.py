@@ -2,11 +2,14 @@
 
 from django.core.management.base import BaseCommand, CommandError
 from django.http import QueryDict
+from django.utils.translation import gettext as _
+from redis.exceptions import RedisError
 from rest_framework.exceptions import ValidationError
 
 from jobs.api import runs_filter
 from jobs.cli import run_table_lines
 from jobs.models import JobRun, RunStatus
+from jobs.waiting import runs_waiting
 
 
 class Command(BaseCommand):
@@ -39,5 +42,12 @@ class Command(BaseCommand):
         if not runs:
             self.stdout.write("no runs match")
             return
-        for line in run_table_lines(runs):
+        try:
+            waiting = runs_waiting(runs)
+        except RedisError as exc:
+            waiting = {}
+            self.stderr.write(
+                _("lock state unavailable (%(error)s): no waiting reasons shown") % {"error": exc}
+            )
+        for line in run_table_lines(runs, waiting):
             self.stdout.write(line)
