@@ -498,6 +498,24 @@ def runs_stuck(
     return [StuckRun(run, waiting[run.pk], now - since[run.pk]) for run in found if run.pk in waiting]
 
 
+# --- events a device being offline explains -----------------------------------------------
+
+# The engine records a step waiting for an offline device as `step.waiting` "device <name> is
+# offline" (jobs/engine/dispatch.py, batch_rows.py) and a wait-for-online step's wait as
+# "until <name> is online" (waits.py); other `step.waiting` events (a busy device, a delay)
+# are routine. A filter on kind first, so `kind` is read through its index.
+OFFLINE_WAIT_EVENTS = Q(kind="step.waiting") & (
+    Q(message__endswith=" is offline") | Q(message__startswith="until ", message__endswith=" is online")
+)
+
+
+def event_is_offline_wait(kind: str, message: str) -> bool:
+    """Whether an event is a step waiting for an offline device (as OFFLINE_WAIT_EVENTS)."""
+    return kind == "step.waiting" and (
+        message.endswith(" is offline") or (message.startswith("until ") and message.endswith(" is online"))
+    )
+
+
 # --- a device's work: who holds it, who waits for it ---------------------------------------
 
 

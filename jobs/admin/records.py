@@ -11,6 +11,7 @@ from devices.models import Device
 
 from ..models import RunEvent, StepRun
 from ..timeline import ATTENTION_KINDS
+from ..waiting import OFFLINE_WAIT_EVENTS
 from .display import run_url, status_badge
 from .paging import EstimatedCountPaginator
 
@@ -108,7 +109,7 @@ class EventToneFilter(admin.SimpleListFilter):
     def queryset(self, request, queryset):
         value = self.value()
         if value == "attention":
-            return queryset.filter(kind__in=ATTENTION_KINDS)
+            return queryset.filter(Q(kind__in=ATTENTION_KINDS) | OFFLINE_WAIT_EVENTS)
         if value == "failure":
             return queryset.filter(kind__in=FAILURE_KINDS)
         if value in self.FAMILIES:

@@ -165,3 +165,26 @@ def test_rest_shows_null_waiting_for_a_finished_run(stack, admin_api, simulator)
 
     assert detail["waiting"] is None
     assert detail["steps"][0]["waiting"] is None
+
+
+def test_the_attention_filter_shows_steps_waiting_for_an_offline_device(stack, admin_client, manual_device):
+    # given a run waiting for an offline device, and one waiting behind a busy device
+    offline, _row = offline_run()
+    device = DeviceFactory()
+    hand = manual_device(device.name)
+    run_start(template=template_with_steps((device, "long", {})))
+    hand.next_command()
+    behind, _ = run_start(template=template_with_steps((device, "after", {})))
+    waiting_row(behind)
+
+    # when the events are filtered for attention
+    page = admin_client.get("/admin/jobs/runevent/", {"tone": "attention"})
+
+    # then the offline wait is listed, the routine busy wait is not
+    assert page.status_code == 200
+    shown = {event.pk for event in page.context["cl"].result_list}
+    offline_wait = RunEvent.objects.get(run=offline, kind="step.waiting")
+    busy_wait = RunEvent.objects.get(run=behind, kind="step.waiting")
+    assert "is offline" in offline_wait.message
+    assert offline_wait.pk in shown
+    assert busy_wait.pk not in shown
