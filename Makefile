@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install messages run test test-fast test-api test-pip lint format bench bench-pg bench-fleet clean
+.PHONY: install messages run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet clean
 
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
 $(RUN_STAMP): requirements.txt requirements-run.txt
@@ -46,6 +46,18 @@ test-fast: install
 ## The seed is printed first; SCHEMATHESIS_SEED=<seed> replays that run.
 test-api: install
 	IOTQUEUE_API_CONTRACT=1 $(BIN)/python -m pytest -s tests/iotqueue/test_api_contract.py
+
+## The browser tier (tests/browser/): the admin in headless Chromium through Selenium, on a live
+## server beside the real worker and bridge; installs Debian's chromium, chromium-driver and a
+## Chinese font first when missing (as root). A failed test's screenshot path is in its report.
+test-browser: install
+	$(BIN)/python -m devtools.browser install
+	$(BIN)/python -m pytest -m browser tests/browser
+
+## Regenerate docs/img/ (dashboard and run page, English and Chinese) on a throwaway stack.
+screenshots: install
+	$(BIN)/python -m devtools.browser install
+	$(BIN)/python docs/screenshot.py
 
 ## End-to-end tests with the pip-installed servers only (what a laptop without them gets).
 test-pip: install

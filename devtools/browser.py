@@ -1,8 +1,9 @@
 """Headless Chromium driven by Selenium: the one browser of the browser test tier
 (tests/browser/, `make test-browser`) and of `make screenshots` (docs/screenshot.py).
 
-The browser and its driver are Debian's `chromium` and `chromium-driver`, installed by
-`python -m devtools.browser install` when missing. Selenium is always handed their paths, so
+The browser and its driver are Debian's `chromium` and `chromium-driver`, with a Chinese font
+(`fonts-wqy-microhei`: without one, Chinese pages render as empty boxes in screenshots),
+installed by `python -m devtools.browser install` when missing. Selenium is always handed their paths, so
 its Selenium Manager never runs: it would try to download a browser, and the machines this
 project runs on reach package registries only.
 """
@@ -19,7 +20,9 @@ from selenium.webdriver.chrome.service import Service
 
 CHROMIUM = Path(os.environ.get("IOTQUEUE_CHROMIUM", "/usr/bin/chromium"))
 CHROMEDRIVER = Path(os.environ.get("IOTQUEUE_CHROMEDRIVER", "/usr/bin/chromedriver"))
-APT_PACKAGES = ("chromium", "chromium-driver")
+# Chinese pages need a CJK font to be seen (screenshots); this one is the smallest Debian has.
+CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
+APT_PACKAGES = ("chromium", "chromium-driver", "fonts-wqy-microhei")
 INSTALL_COMMAND = f"apt-get update && apt-get install -y {' '.join(APT_PACKAGES)}"
 # The width the console must fit without sideways scrolling (issue 32), and a window tall
 # enough that most pages are seen without scrolling in a failure screenshot.
@@ -38,22 +41,27 @@ def browser_missing() -> list[Path]:
     return [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
 
 
+def browser_install_missing() -> list[Path]:
+    """What `browser_install` would install: the binaries, and the CJK font."""
+    return [*browser_missing(), *([] if CJK_FONT.exists() else [CJK_FONT])]
+
+
 def browser_install() -> None:
-    """Install Debian's chromium and chromium-driver when either is missing.
+    """Install Debian's chromium, chromium-driver and the CJK font when one is missing.
 
     How it fails: not running as root, it raises BrowserMissing naming the command to run;
     apt-get failing raises CalledProcessError (its own output says why).
     """
-    if not browser_missing():
+    if not browser_install_missing():
         return
     if os.geteuid() != 0:
-        missing = ", ".join(str(path) for path in browser_missing())
+        missing = ", ".join(str(path) for path in browser_install_missing())
         raise BrowserMissing(f"{missing} missing; as root run: {INSTALL_COMMAND}")
     environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-q"], check=True, env=environment)
     subprocess.run(["apt-get", "install", "-y", "-q", *APT_PACKAGES], check=True, env=environment)
-    if browser_missing():
-        raise BrowserMissing(f"{APT_PACKAGES} installed, yet {browser_missing()} still missing")
+    if browser_install_missing():
+        raise BrowserMissing(f"{APT_PACKAGES} installed, yet {browser_install_missing()} still missing")
 
 
 def browser_start(
@@ -91,6 +99,15 @@ def browser_start(
     return driver
 
 
+def viewport_resize(driver: webdriver.Chrome, *, width: int, height: int) -> None:
+    """Make the page's viewport `width` x `height` CSS pixels (a window's size counts the
+    browser's own frame too, which headless Chromium keeps: 143 px of height here)."""
+    driver.set_window_size(width, height)
+    inner_width, inner_height = driver.execute_script("return [window.innerWidth, window.innerHeight]")
+    if (inner_width, inner_height) != (width, height):
+        driver.set_window_size(2 * width - inner_width, 2 * height - inner_height)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args != ["install"]:
@@ -101,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrowserMissing as exc:
         print(f"devtools.browser: {exc}", file=sys.stderr)
         return 1
-    print(f"browser: {CHROMIUM} and {CHROMEDRIVER} present")
+    print(f"browser: {CHROMIUM}, {CHROMEDRIVER} and {CJK_FONT.name} present")
     return 0
 
 
