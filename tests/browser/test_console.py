@@ -220,26 +220,42 @@ def test_the_console_fits_1280_pixels_without_sideways_scrolling(console, operat
     assert console.scroll_width() <= WINDOW_WIDTH
 
 
+def zh(text: str) -> str:
+    """`text` as the Chinese catalogue has it; fails the test when it has no translation."""
+    with translation.override("zh-hans"):
+        translated = translation.gettext(text)
+    assert translated != text, f"no Chinese for {text!r}"
+    return translated
+
+
 def test_the_console_speaks_chinese_to_a_chinese_browser(console_zh, operator, stack):
-    # given a browser whose Accept-Language is zh-Hans, and a run to look at
+    # given a browser whose Accept-Language is zh-Hans, and a run in flight to look at
     device = DeviceFactory()
     run, _ = run_start(template=template_with_steps((device, "on", {})))
+    wait_for(lambda: JobRun.objects.get(pk=run.pk).status == RunStatus.RUNNING, what="the run to start")
     with translation.override("zh-hans"):
-        log_out = translation.gettext("Log out")
-    assert log_out != "Log out"
+        running = str(RunStatus.RUNNING.label)
+        device_name = str(Device._meta.verbose_name)
+    assert running != "Running"
 
-    # when the operator logs in
+    # when the operator opens the login page
     console_zh.open("/admin/login/")
 
-    # then the login page is already Chinese
+    # then it is already Chinese
     assert console_zh.html_lang() == "zh-hans"
 
-    # and so are the dashboard, the run list, a run's page and the device list
+    # and so are the dashboard, the run list, a run's page and the device list, each with
+    # words of its own
     console_zh.login("operator")
-    run_page = f"/admin/jobs/jobrun/{run.pk}/change/"
-    for path in ("/admin/", "/admin/jobs/jobrun/", run_page, "/admin/devices/device/"):
+    pages = {
+        "/admin/": ("#dash-stuck h2", zh("Stuck runs")),
+        "/admin/jobs/jobrun/": ("#result_list", running),
+        f"/admin/jobs/jobrun/{run.pk}/change/": ("#content", running),
+        "/admin/devices/device/": ("#content h1", device_name),
+    }
+    for path, (css, words) in pages.items():
         console_zh.open(path)
-        console_zh.find("#content")
+        assert words in console_zh.find(css).text, (path, words)
         assert console_zh.html_lang() == "zh-hans", path
         assert "站点管理" in console_zh.driver.title, (path, console_zh.driver.title)
-        assert log_out in console_zh.find("#user-tools").text, path
+        assert zh("Log out") in console_zh.find("#user-tools").text, path
