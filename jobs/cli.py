@@ -62,7 +62,9 @@ class FollowTimeout(Exception):
     """The run had not ended when following gave up; `run` is how it stood."""
 
     def __init__(self, run: JobRun) -> None:
-        super().__init__(f"run {run_short_id(run)} is still {run.status}")
+        super().__init__(
+            _("run %(run)s is still %(status)s") % {"run": run_short_id(run), "status": run.status}
+        )
         self.run = run
 
 
@@ -90,16 +92,20 @@ def run_find(ident: str) -> JobRun:
     digits = text.replace("-", "")
     if len(digits) < RUN_PREFIX_MIN or any(c not in "0123456789abcdef" for c in digits):
         raise RunNotFound(
-            f"{ident!r} is not a run id (give the id or at least its first {RUN_PREFIX_MIN} characters)"
+            _("%(ident)r is not a run id (give the id or at least its first %(count)s characters)")
+            % {"ident": ident, "count": RUN_PREFIX_MIN}
         )
     matches = list(
         JobRun.objects.select_related("template").filter(id__startswith=text).order_by("-created_at")[:5]
     )
     if not matches:
-        raise RunNotFound(f"no run with id {ident!r}")
+        raise RunNotFound(_("no run with id %(ident)r") % {"ident": ident})
     if len(matches) > 1:
         listed = ", ".join(f"{m.pk} ({m.template.name})" for m in matches)
-        raise RunNotFound(f"{ident!r} matches several runs: {listed}; give more characters")
+        raise RunNotFound(
+            _("%(ident)r matches several runs: %(runs)s; give more characters")
+            % {"ident": ident, "runs": listed}
+        )
     return matches[0]
 
 
@@ -175,7 +181,8 @@ def run_duration(run: JobRun) -> str:
 
 def run_headline(run: JobRun) -> str:
     """`Morning 0a1b2c3d  running  step 2/3`: no clock in it, so it changes only with the run."""
-    return f"{run.template.name} {run_short_id(run)}  {run.status}  step {run_position(run)}"
+    step = _("step %(position)s") % {"position": run_position(run)}
+    return f"{run.template.name} {run_short_id(run)}  {run.status}  {step}"
 
 
 def timeline_log_quiet(verbosity: int) -> None:
@@ -198,9 +205,9 @@ def run_position(run: JobRun) -> str:
 
 def _step_action(spec: dict) -> str:
     if spec.get("kind") == StepKind.DELAY:
-        return f"delay {spec.get('delay_seconds', 0):g}s"
+        return _("delay %(seconds)ss") % {"seconds": f"{spec.get('delay_seconds', 0):g}"}
     if spec.get("kind") == StepKind.WAIT_ONLINE:
-        return "wait online"
+        return _("wait online")
     return spec.get("action") or "-"
 
 
@@ -221,7 +228,8 @@ def _line(label: str, bar: str, status: str, detail: str, what: str, note: str =
 def _row_line(label: str, row: StepRun, spec: dict, waiting: Waiting | None = None) -> str:
     """A step on one device: its status, attempt, progress and why it waits, or once it
     failed, why it failed."""
-    tries = f"try {row.attempt}/{spec.get('max_attempts', 1)}" if row.attempt else ""
+    attempts = {"attempt": row.attempt, "max": spec.get("max_attempts", 1)}
+    tries = _("try %(attempt)s/%(max)s") % attempts if row.attempt else ""
     note = row.error[:80] if row.is_terminal and row.error else ""
     if waiting is not None and not row.is_terminal:
         note = waiting.message
@@ -274,7 +282,8 @@ def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dic
         else:
             lines[label] = _not_started_line(run, label, spec)
     for row in sorted(compensations, key=lambda r: r.pk):
-        undo = _row_line(f"undo #{row.index}", row, {"action": row.action}, waiting.get(row.pk))
+        label = _("undo #%(step)s") % {"step": row.index}
+        undo = _row_line(label, row, {"action": row.action}, waiting.get(row.pk))
         lines[f"undo/{row.pk}"] = undo
     return lines
 
@@ -292,7 +301,7 @@ def run_waiting_read(run: JobRun) -> tuple[Waiting | None, dict[int, Waiting]]:
 
 
 def _not_started_line(run: JobRun, label: str, spec: dict) -> str:
-    status = "not run" if run.is_terminal else "pending"
+    status = _("not run") if run.is_terminal else "pending"
     return _line(label, progress_bar(None), status, "", f"{plan_step_target(spec)} {_step_action(spec)}")
 
 
@@ -308,7 +317,10 @@ def timeline_lines(run: JobRun, *, limit: int) -> list[str]:
     shown = list(events[:limit] if limit else events)[::-1]
     lines = [event_line(event) for event in shown]
     if total > len(shown):
-        lines.insert(0, f"  ... {total - len(shown)} earlier events not shown (--events 0 shows all)")
+        hidden = _("%(count)s earlier events not shown (--events 0 shows all)") % {
+            "count": total - len(shown)
+        }
+        lines.insert(0, f"  ... {hidden}")
     return lines
 
 
@@ -316,25 +328,39 @@ def run_detail_lines(run: JobRun, waiting: Waiting | None = None) -> list[str]:
     """The header block of `run_show`: what the run is, who started it, how it ended, and
     while it goes on, what it waits for."""
     zone = timezone.get_current_timezone_name()
-    lines = [
-        f"run         {run.pk}  ({run.template.name})",
-        f"status      {run.status}" + (f": {run.error}" if run.error else ""),
-        f"trigger     {run.trigger} by {run.triggered_by or 'anonymous'}, priority {run.priority}",
-        f"created     {time_text(run.created_at, with_date=True)} {zone}"
-        f"   started {time_text(run.started_at)}   finished {time_text(run.finished_at)}"
-        f"   took {run_duration(run)}",
-        f"parameters  {json.dumps(run.parameters)}",
-    ]
+    times = {
+        "created": time_text(run.created_at, with_date=True),
+        "zone": zone,
+        "started": time_text(run.started_at),
+        "finished": time_text(run.finished_at),
+        "took": run_duration(run),
+    }
+    by = {"trigger": run.trigger, "by": run.triggered_by or _("anonymous"), "priority": run.priority}
+    fields = [(_("run"), f"{run.pk}  ({run.template.name})")]
     if run.template_version_id:
-        lines.insert(1, f"version     v{run.template_version.number} of the template")
-    if run.retry_of_id:
-        lines.append(f"retry of    {run.retry_of_id}")
-    if run.idempotency_key:
-        lines.append(f"idem. key   {run.idempotency_key}")
+        fields.append(
+            (_("version"), _("v%(number)s of the template") % {"number": run.template_version.number})
+        )
+    fields.append((_("status"), run.status + (f": {run.error}" if run.error else "")))
     if waiting is not None:
-        after_status = next(i for i, line in enumerate(lines) if line.startswith("status")) + 1
-        lines.insert(after_status, f"waiting     {waiting.reason}: {printable(waiting.message)}")
-    return lines
+        fields.append((_("waiting"), f"{waiting.reason}: {waiting.message}"))
+    fields += [
+        (_("trigger"), _("%(trigger)s by %(by)s, priority %(priority)s") % by),
+        (
+            _("created"),
+            _("%(created)s %(zone)s   started %(started)s   finished %(finished)s   took %(took)s") % times,
+        ),
+        (_("parameters"), json.dumps(run.parameters)),
+    ]
+    if run.retry_of_id:
+        fields.append((_("retry of"), str(run.retry_of_id)))
+    if run.idempotency_key:
+        fields.append((_("idem. key"), run.idempotency_key))
+    return [f"{pad(label, DETAIL_LABEL_WIDTH - 1)} {printable(value)}" for label, value in fields]
+
+
+# run_show's header: labels in a column this wide (display columns), values after them.
+DETAIL_LABEL_WIDTH = 12
 
 
 # The columns of `runs`: display width and alignment (True: right), the last one unbounded.
@@ -422,7 +448,7 @@ class TerminalView:
         lines = [
             f"{run_headline(run)}  {run_duration(run)}",
             *step_lines(run, run_waiting_read(run)[1]).values(),
-            f"  last event: {event_line(last).strip()}" if last else "",
+            "  " + _("last event: %(event)s") % {"event": event_line(last).strip()} if last else "",
         ]
         lines += [""] * (self.drawn - len(lines))  # never leave a stale line of a longer frame
         # Lines longer than the terminal would wrap and spoil the count of lines to go up.
@@ -452,7 +478,7 @@ def run_follow(run: JobRun, *, view: LogView | TerminalView, timeout: float | No
             run = run_load(run.pk)
         except DatabaseError as exc:
             if not database_down:
-                view.note(f"database unavailable ({exc}); still trying")
+                view.note(_("database unavailable (%(error)s); still trying") % {"error": exc})
             database_down = True
             connection.close()  # a broken connection is not reused; the next tick opens a new one
         else:
@@ -478,19 +504,29 @@ def run_wait(command: BaseCommand, run: JobRun, *, timeout: float | None = None)
         run = run_follow(run, view=view, timeout=timeout)
     except FollowTimeout as exc:
         raise CommandError(
-            f"run {short} is still {exc.run.status} after {timeout:g}s; it goes on "
-            f"(manage.py run_show {short} --follow to watch it again)",
+            _(
+                "run %(run)s is still %(status)s after %(seconds)ss; it goes on "
+                "(manage.py run_show %(run)s --follow to watch it again)"
+            )
+            % {"run": short, "status": exc.run.status, "seconds": f"{timeout:g}"},
             returncode=EXIT_STILL_RUNNING,
         ) from None
     except KeyboardInterrupt:
         raise CommandError(
-            f"stopped following; run {short} was NOT canceled and goes on "
-            f"(manage.py run_show {short} --follow to watch it, manage.py run_cancel {short} to cancel it)",
+            _(
+                "stopped following; run %(run)s was NOT canceled and goes on "
+                "(manage.py run_show %(run)s --follow to watch it, manage.py run_cancel %(run)s to cancel it)"
+            )
+            % {"run": short},
             returncode=EXIT_INTERRUPTED,
         ) from None
     if run.status != RunStatus.SUCCEEDED:
         reason = f": {run.error}" if run.error else ""
-        raise CommandError(
-            f"run {short} {run.status} after {run_duration(run)}{reason}", returncode=EXIT_RUN_UNSUCCESSFUL
-        )
-    out.write(f"run {short} succeeded in {run_duration(run)}", style_func=command.style.SUCCESS)
+        ended = _("run %(run)s %(status)s after %(took)s") % {
+            "run": short,
+            "status": run.status,
+            "took": run_duration(run),
+        }
+        raise CommandError(ended + reason, returncode=EXIT_RUN_UNSUCCESSFUL)
+    succeeded = _("run %(run)s succeeded in %(took)s") % {"run": short, "took": run_duration(run)}
+    out.write(succeeded, style_func=command.style.SUCCESS)

@@ -2,10 +2,11 @@
 
 from datetime import UTC, datetime
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils.translation import gettext as _
 
 from devices.models import Device
+from iotqueue.cli_language import LocalizedCommand
 from jobs.cancel import lock_force_release
 from jobs.cli import printable, table_row
 from jobs.waiting import DeviceWork, devices_work
@@ -58,7 +59,7 @@ def lock_lines(works: list[DeviceWork]) -> list[str]:
     return lines
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = (
         "Show who holds each device's lock (run and step) and who waits for the device, "
         "including steps waiting for it to come online; optionally force-release (audited). "

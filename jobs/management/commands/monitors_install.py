@@ -1,12 +1,12 @@
 """`manage.py monitors_install`: install the jobs app's periodic tasks in beat's table (idempotent)."""
 
-from django.core.management.base import BaseCommand
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.beat import beat_entries
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = "Create or update the beat entries the engine needs; re-running changes nothing."
 
     def handle(self, *args, **options):

@@ -1,12 +1,13 @@
 """`manage.py run_cancel RUN_ID`: cancel a pending or running run (audited)."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.cancel import run_cancel
 from jobs.cli import RunNotFound, operator_name, run_find, run_short_id, timeline_log_quiet
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = (
         "Cancel a pending or running run: queued steps leave their device queue, "
         "in-flight commands get a cancel command."

@@ -1,13 +1,14 @@
 """`manage.py run_retry RUN_ID [--wait]`: start a new run from the step a failed run stopped on."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import RunNotFound, operator_name, run_find, run_wait, timeline_log_quiet
 from jobs.models import Trigger
 from jobs.retry import RetryError, run_retry
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = (
         "Retry a failed, timed-out or canceled run from the step it stopped on (earlier steps are "
         "carried over, not re-sent); prints the new run's id."

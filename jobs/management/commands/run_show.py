@@ -1,7 +1,8 @@
 """`manage.py run_show RUN_ID [--follow]`: a run's header, steps and event timeline."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import (
     EXIT_RUN_UNSUCCESSFUL,
     RunNotFound,
@@ -17,7 +18,7 @@ from jobs.cli import (
 from jobs.models import RunStatus
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = (
         "Show a run: who started it and how it ended, each step, and the event timeline. "
         "RUN_ID may be the first characters of the id, as `runs` shows them."

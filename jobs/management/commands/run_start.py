@@ -2,8 +2,9 @@
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import operator_name, run_wait, timeline_log_quiet
 from jobs.models import JobTemplate, Trigger
 from jobs.services import RunStartError, run_start
@@ -44,7 +45,7 @@ def parameters_parse(params_json: str | None, pairs: list[str]) -> dict:
     return parameters
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = (
         "Start a run of a template and print its id. With --wait, follow it step by step until "
         "it ends; the exit status is 0 only if it succeeded."

@@ -1,18 +1,19 @@
 """`manage.py runs [--status S ...] [--template T] [--device D]`: a table of recent runs."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.http import QueryDict
 from django.utils.translation import gettext as _
 from redis.exceptions import RedisError
 from rest_framework.exceptions import ValidationError
 
+from iotqueue.cli_language import LocalizedCommand
 from jobs.api import runs_filter
 from jobs.cli import run_table_lines
 from jobs.models import JobRun, RunStatus
 from jobs.waiting import runs_waiting
 
 
-class Command(BaseCommand):
+class Command(LocalizedCommand):
     help = "List recent runs, newest first (the filters of GET /api/runs/)."
 
     def add_arguments(self, parser) -> None:
