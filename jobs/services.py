@@ -10,6 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from devices.selectors import selector_parse
 from iotqueue.text import text_problem
@@ -156,10 +157,10 @@ def run_start(
     """
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
-        raise RunStartError("parameters", "parameters must be a JSON object")
+        raise RunStartError("parameters", _("parameters must be a JSON object"))
     _parameters_check(parameters)
     if priority is not None and not 0 <= priority <= 9:
-        raise RunStartError("priority", "priority must be from 0 to 9")
+        raise RunStartError("priority", _("priority must be from 0 to 9"))
     if idempotency_key:
         existing = JobRun.objects.filter(idempotency_key=idempotency_key).first()
         window = timedelta(hours=settings.IOTQUEUE_IDEMPOTENCY_HOURS)
@@ -172,7 +173,9 @@ def run_start(
             template_version = None if plan else _run_version(template, version)
             plan = plan or template_version.steps
             if not plan:
-                raise RunStartError("template", f"template {template.name!r} has no steps")
+                raise RunStartError(
+                    "template", _("template '%(name)s' has no steps") % {"name": template.name}
+                )
             # Before the run exists: a run that could only fail on its first reference is refused.
             problem = parameters_problem(plan, parameters)
             if problem:
@@ -207,7 +210,11 @@ def _run_version(template: JobTemplate, number: int | None) -> TemplateVersion:
         return template_version_record(template=template)
     version = template.versions.filter(number=number).first()
     if version is None:
-        raise RunStartError("template_version", f"template {template.name!r} has no version {number}")
+        message = _("template '%(name)s' has no version %(number)d") % {
+            "name": template.name,
+            "number": number,
+        }
+        raise RunStartError("template_version", message)
     return version
 
 
@@ -216,13 +223,18 @@ def _parameters_check(parameters: dict[str, Any]) -> None:
     that can be stored (iotqueue/text.py), within IOTQUEUE_RUN_PARAMETERS_MAX_BYTES."""
     problem = text_problem(parameters)
     if problem:
-        raise RunStartError("parameters", f"text that cannot be stored is not accepted: {problem}")
+        message = _("text that cannot be stored is not accepted: %(problem)s") % {"problem": problem}
+        raise RunStartError("parameters", message)
     size = len(json.dumps(parameters, separators=(",", ":"), ensure_ascii=False).encode())
     limit = settings.IOTQUEUE_RUN_PARAMETERS_MAX_BYTES
     if size > limit:
         raise RunStartError(
             "parameters",
-            f"parameters take {size} bytes as JSON, more than IOTQUEUE_RUN_PARAMETERS_MAX_BYTES ({limit})",
+            _(
+                "parameters take %(size)d bytes as JSON, "
+                "more than IOTQUEUE_RUN_PARAMETERS_MAX_BYTES (%(limit)d)"
+            )
+            % {"size": size, "limit": limit},
         )
 
 
@@ -249,18 +261,21 @@ def run_start_each(
     try:
         requirements = selector_parse(selector)
     except ValueError as exc:
-        raise RunStartError("for_each", f"not a label selector: {exc}") from None
+        raise RunStartError("for_each", _("not a label selector: %(problem)s") % {"problem": exc}) from None
     if not group and not labels and not requirements:
-        raise RunStartError("for_each", "name a group or at least one label; an empty selector is refused")
+        raise RunStartError("for_each", _("name a group or at least one label; an empty selector is refused"))
     devices = fanout_devices({"group": group, "labels": labels or {}, "selector": selector})
     if not devices:
-        raise RunStartError("for_each", "no enabled device matches")
+        raise RunStartError("for_each", _("no enabled device matches"))
     limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
     if len(devices) > limit:
         raise RunStartError(
             "for_each",
-            f"{len(devices)} devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES ({limit}); "
-            "a fan-out step rolls out to a fleet at a set pace",
+            _(
+                "%(count)d devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES (%(limit)d); "
+                "a fan-out step rolls out to a fleet at a set pace"
+            )
+            % {"count": len(devices), "limit": limit},
         )
     key = options.pop("idempotency_key", None)
     return [

@@ -11,6 +11,8 @@ import json
 import re
 from typing import Any
 
+from django.utils.translation import gettext as _
+
 REFERENCE_RE = re.compile(r"\{\{\s*([A-Za-z_][\w-]*(?:\.[\w-]+)*)\s*\}\}")
 ROOTS = ("params", "steps", "device", "run")
 
@@ -25,7 +27,7 @@ def references(value: Any) -> list[str]:
     if isinstance(value, str):
         found.extend(REFERENCE_RE.findall(value))
         if "{{" in REFERENCE_RE.sub("", value):
-            raise TemplateError(f"malformed reference in {value!r}")
+            raise TemplateError(_("malformed reference in %(value)s") % {"value": repr(value)})
     elif isinstance(value, dict):
         for item in value.values():
             found.extend(references(item))
@@ -62,7 +64,9 @@ def _lookup(path: str, context: dict[str, Any]) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            raise TemplateError(f"{{{{ {path} }}}} has no value (missing {part!r})")
+            raise TemplateError(
+                _("{{ %(path)s }} has no value (missing '%(part)s')") % {"path": path, "part": part}
+            )
     return node
 
 
@@ -110,10 +114,11 @@ class _Budget:
             raise self.exceeded(self.used)
 
     def exceeded(self, size: int) -> TemplateError:
-        return TemplateError(
-            f"rendered, it takes more than {self.limit} bytes (at least {size}; {self.setting}): "
+        message = _(
+            "rendered, it takes more than %(limit)d bytes (at least %(size)d; %(setting)s): "
             "use fewer or smaller references"
         )
+        return TemplateError(message % {"limit": self.limit, "size": size, "setting": self.setting})
 
 
 def _render(value: Any, context: dict[str, Any], budget: _Budget) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.utils.translation import gettext as _
 
 from devices.protocol import ACTION_RE, EXTEND_SECONDS_LIMIT
 from devices.selectors import selector_parse
@@ -36,53 +37,58 @@ def step_errors(step) -> dict[str, str]:
     targets = _target_count(step)
     if step.kind == StepKind.DELAY:
         if targets:
-            errors["device"] = "A delay step has no target device."
+            errors["device"] = _("A delay step has no target device.")
         if not step.delay_seconds or step.delay_seconds <= 0:
-            errors["delay_seconds"] = "A delay step needs delay_seconds > 0."
+            errors["delay_seconds"] = _("A delay step needs delay_seconds > 0.")
         return errors
     extend = getattr(step, "max_extend_seconds", 0) or 0
     if not 0 <= extend <= EXTEND_SECONDS_LIMIT:
-        errors["max_extend_seconds"] = f"Give 0 to {EXTEND_SECONDS_LIMIT} seconds (a week at most)."
+        errors["max_extend_seconds"] = _("Give 0 to %(limit)d seconds (a week at most).") % {
+            "limit": EXTEND_SECONDS_LIMIT
+        }
     if step.kind == StepKind.TASK:
         errors.update(_task_step_errors(step))
     elif targets != 1:
-        errors["device"] = "Choose exactly one target: device, device_param, group, labels or selector."
+        errors["device"] = _("Choose exactly one target: device, device_param, group, labels or selector.")
     if step.kind == StepKind.WAIT_ONLINE and (step.group_id or step.labels or step.selector):
-        errors["group"] = "wait_online waits for one device, not a group."
+        errors["group"] = _("wait_online waits for one device, not a group.")
     if step.kind == StepKind.COMMAND and not ACTION_RE.match(step.action or ""):
-        errors["action"] = "Use letters, digits and . _ / - only."
+        errors["action"] = _("Use letters, digits and . _ / - only.")
     if (
         step.kind != StepKind.TASK  # a task's compensation is a task name, checked above
         and step.compensation_action
         and not ACTION_RE.match(step.compensation_action)
     ):
-        errors["compensation_action"] = "Use letters, digits and . _ / - only."
+        errors["compensation_action"] = _("Use letters, digits and . _ / - only.")
     if step.labels and (
         not isinstance(step.labels, dict) or not all(isinstance(v, str) for v in step.labels.values())
     ):
-        errors["labels"] = 'Labels must be a JSON object of strings, e.g. {"kind": "pump"}.'
+        errors["labels"] = _('Labels must be a JSON object of strings, e.g. {"kind": "pump"}.')
     if step.selector:
         try:
             selector_parse(step.selector)
         except ValueError as exc:
-            errors["selector"] = f"Not a label selector: {exc}."
+            errors["selector"] = _("Not a label selector: %(problem)s.") % {"problem": exc}
     errors.update(rollout_errors(step))
     for field in ("args", "compensation_args"):
         value = getattr(step, field)
         if not isinstance(value, dict):
-            errors[field] = "Must be a JSON object."
+            errors[field] = _("Must be a JSON object.")
             continue
         size, limit = templating.json_size(value), settings.IOTQUEUE_COMMAND_MAX_BYTES
         if size > limit:
             # The args as written, references included: no run could send them. A render
             # that grows past the limit is caught when a run renders it (jobs/engine/plan.py).
-            errors[field] = f"Takes {size} bytes as JSON, more than {limit} (IOTQUEUE_COMMAND_MAX_BYTES)."
+            errors[field] = _(
+                "Takes %(size)d bytes as JSON, more than %(limit)d (IOTQUEUE_COMMAND_MAX_BYTES)."
+            ) % {"size": size, "limit": limit}
             continue
         try:
             for ref in templating.references(value):
                 if ref.split(".")[0] not in REFERENCE_ROOTS:
                     raise templating.TemplateError(
-                        f"{{{{ {ref} }}}}: a reference starts with one of {', '.join(REFERENCE_ROOTS)}"
+                        _("{{ %(ref)s }}: a reference starts with one of %(roots)s")
+                        % {"ref": ref, "roots": ", ".join(REFERENCE_ROOTS)}
                     )
         except templating.TemplateError as exc:
             errors[field] = str(exc)
@@ -93,19 +99,21 @@ def _task_step_errors(step) -> dict[str, str]:
     """A task step: a registered task (and compensation task), on one device or none."""
     errors: dict[str, str] = {}
     if step.group_id or step.labels or step.selector or _target_count(step) > 1:
-        errors["device"] = "A task step runs once: give a device, a device_param, or no target."
+        errors["device"] = _("A task step runs once: give a device, a device_param, or no target.")
     for field in ("action", "compensation_action"):
         name = getattr(step, field) or ""
         if (name or field == "action") and not step_task_registered(name):
-            errors[field] = f"{name!r} is not a registered step task (decorate it with @step_task)."
+            errors[field] = _("'%(name)s' is not a registered step task (decorate it with @step_task).") % {
+                "name": name
+            }
     # A message running longer than the broker's visibility timeout is handed out again
     # (acks_late): the task would run twice at once.
     visibility = settings.CELERY_BROKER_TRANSPORT_OPTIONS.get("visibility_timeout")
     if visibility and step.timeout_seconds >= visibility:
-        errors["timeout_seconds"] = (
-            f"A task step must end within the broker's visibility timeout ({visibility}s, "
-            "CELERY_VISIBILITY_TIMEOUT)."
-        )
+        errors["timeout_seconds"] = _(
+            "A task step must end within the broker's visibility timeout "
+            "(%(seconds)ss, CELERY_VISIBILITY_TIMEOUT)."
+        ) % {"seconds": visibility}
     return errors
 
 
@@ -123,7 +131,10 @@ def template_errors(steps: list[Any]) -> dict[str, dict[str, str]]:
         own = step_errors(step)
         if step.name:
             if step.name in seen_names:
-                own["name"] = f"Name {step.name!r} is already used by step {seen_names[step.name]}."
+                own["name"] = _("Name '%(name)s' is already used by step %(position)s.") % {
+                    "name": step.name,
+                    "position": seen_names[step.name],
+                }
             seen_names[step.name] = step.position
         for field in ("args", "compensation_args"):
             if field in own or not isinstance(getattr(step, field), dict):
@@ -146,9 +157,13 @@ def _step_reference_problem(value, index: int, ordered: list, names: dict[str, i
             continue
         if len(parts) < 2 or parts[1] not in earlier:
             target = parts[1] if len(parts) > 1 else ""
-            return f"{{{{ {ref} }}}}: {target!r} is not an earlier step (use its index from 0 or its name)"
+            return _(
+                "{{ %(ref)s }}: '%(target)s' is not an earlier step (use its index from 0 or its name)"
+            ) % {"ref": ref, "target": target}
         if len(parts) > 2 and parts[2] != "result":
-            return f"{{{{ {ref} }}}}: a step reference reads its result, e.g. steps.{parts[1]}.result.serial"
+            return _(
+                "{{ %(ref)s }}: a step reference reads its result, e.g. steps.%(step)s.result.serial"
+            ) % {"ref": ref, "step": parts[1]}
     return ""
 
 
@@ -166,35 +181,39 @@ def rollout_errors(step) -> dict[str, str]:
         errors["abort_criteria"] = problem
     factor = getattr(step, "rollout_increment_factor", 1.0)
     if not isinstance(factor, int | float) or not 1 <= factor <= MAX_INCREMENT_FACTOR:
-        errors["rollout_increment_factor"] = f"Give 1 (a fixed rate) to {MAX_INCREMENT_FACTOR:g}."
+        errors["rollout_increment_factor"] = _("Give 1 (a fixed rate) to %(max)g.") % {
+            "max": MAX_INCREMENT_FACTOR
+        }
     elif factor > 1:
         if not step.rollout_per_minute:
-            errors["rollout_per_minute"] = "A ramp starts from a base rate: give rollout_per_minute > 0."
+            errors["rollout_per_minute"] = _("A ramp starts from a base rate: give rollout_per_minute > 0.")
         if not getattr(step, "rollout_increment_every", 0):
-            errors["rollout_increment_every"] = "A ramp steps up after a number of devices: give it (> 0)."
+            errors["rollout_increment_every"] = _("A ramp steps up after a number of devices: give it (> 0).")
         maximum = getattr(step, "rollout_max_per_minute", 0)
         if maximum and maximum < step.rollout_per_minute:
-            errors["rollout_max_per_minute"] = "The maximum rate is at least rollout_per_minute (or 0)."
+            errors["rollout_max_per_minute"] = _("The maximum rate is at least rollout_per_minute (or 0).")
     return errors
 
 
 def abort_criteria_problem(criteria: Any) -> str:
     """What is wrong with a step's abort criteria, or "" (a list of criterion objects)."""
     if not isinstance(criteria, list):
-        return "Must be a JSON list of criteria."
+        return _("Must be a JSON list of criteria.")
     if len(criteria) > ABORT_CRITERIA_MAX:
-        return f"At most {ABORT_CRITERIA_MAX} criteria."
+        return _("At most %(count)d criteria.") % {"count": ABORT_CRITERIA_MAX}
     causes = ", ".join(AbortCause.values)
     for number, criterion in enumerate(criteria):
-        where = f"criterion {number}"
+        where = _("criterion %(number)d") % {"number": number}
         if not isinstance(criterion, dict) or set(criterion) - ABORT_CRITERION_KEYS:
-            return f'{where}: use {{"cause": …, "threshold_percent": …, "min_executed": …}} only.'
+            return _('%(where)s: use {"cause": …, "threshold_percent": …, "min_executed": …} only.') % {
+                "where": where
+            }
         if criterion.get("cause") not in AbortCause.values:
-            return f"{where}: cause is one of {causes}."
+            return _("%(where)s: cause is one of %(causes)s.") % {"where": where, "causes": causes}
         percent = criterion.get("threshold_percent")
         if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
-            return f"{where}: threshold_percent is a whole number from 0 to 100."
+            return _("%(where)s: threshold_percent is a whole number from 0 to 100.") % {"where": where}
         minimum = criterion.get("min_executed", 0)
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
-            return f"{where}: min_executed is a whole number, 0 or more."
+            return _("%(where)s: min_executed is a whole number, 0 or more.") % {"where": where}
     return ""

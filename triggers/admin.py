@@ -5,6 +5,7 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import OuterRef, Subquery
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy, ngettext
 
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from jobs.permissions import user_may_start_runs
@@ -81,11 +82,11 @@ class ScheduleAdmin(StartsRunsAdmin):
             )
         )
 
-    @admin.display(description="last run")
+    @admin.display(description=gettext_lazy("last run"))
     def last_run_status(self, schedule: Schedule) -> str:
         return schedule.last_run_status or "-"
 
-    @admin.display(description="last run started")
+    @admin.display(description=gettext_lazy("last run started"))
     def last_run_at(self, schedule: Schedule):
         return schedule.last_run_at
 
@@ -100,15 +101,19 @@ class ScheduleAdmin(StartsRunsAdmin):
                 schedule.enabled = enabled
                 schedule_save(schedule=schedule)
                 changed += 1
-        self.message_user(
-            request, f"{changed} schedule(s) {'enabled' if enabled else 'disabled'}.", messages.SUCCESS
-        )
+        if enabled:
+            message = ngettext("%(count)d schedule enabled.", "%(count)d schedules enabled.", changed)
+        else:
+            message = ngettext("%(count)d schedule disabled.", "%(count)d schedules disabled.", changed)
+        self.message_user(request, message % {"count": changed}, messages.SUCCESS)
 
-    @admin.action(description="Enable selected schedules", permissions=["change"])
+    @admin.action(description=gettext_lazy("Enable selected schedules"), permissions=["change"])
     def schedules_enable(self, request, queryset):
         self._enabled_set(request, queryset, True)
 
-    @admin.action(description="Disable selected schedules (future fires stop)", permissions=["change"])
+    @admin.action(
+        description=gettext_lazy("Disable selected schedules (future fires stop)"), permissions=["change"]
+    )
     def schedules_disable(self, request, queryset):
         self._enabled_set(request, queryset, False)
 

@@ -1,5 +1,6 @@
 """REST endpoints for schedules and MQTT trigger rules (looked up by name)."""
 
+from django.utils.translation import gettext_lazy
 from rest_framework import viewsets
 from rest_framework.permissions import BasePermission
 
@@ -17,7 +18,7 @@ class StartsRunsPermission(BasePermission):
     Deleting one starts nothing, so its model permission is enough.
     """
 
-    message = "You may not start runs, so you may not create or change what starts them."
+    message = gettext_lazy("You may not start runs, so you may not create or change what starts them.")
 
     def has_permission(self, request, view) -> bool:
         return request.method not in ("POST", "PUT", "PATCH") or user_may_start_runs(request.user)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.utils.translation import gettext as _
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -23,7 +24,7 @@ class LastRunSerializer(serializers.ModelSerializer):
 
 def _object_check(value: Any) -> Any:
     if not isinstance(value, dict):
-        raise serializers.ValidationError("Must be a JSON object.")
+        raise serializers.ValidationError(_("Must be a JSON object."))
     return value
 
 

@@ -35,7 +35,9 @@ def _timezone_names() -> frozenset[str]:
 
 def timezone_error(name: str) -> str | None:
     if name not in _timezone_names():
-        return f"unknown timezone {name!r}; use an IANA name such as Europe/Berlin or UTC"
+        return _("unknown timezone '%(name)s'; use an IANA name such as Europe/Berlin or UTC") % {
+            "name": name
+        }
     return None
 
 
@@ -50,7 +52,9 @@ def crontab_fields(expression: str) -> dict[str, str]:
         celery_crontab(**fields)  # beat must be able to evaluate it, not only store it
     except (ValidationError, ValueError, TypeError, IndexError) as exc:
         message = "; ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
-        raise ValueError(f"invalid crontab {expression!r}: {message}") from None
+        raise ValueError(
+            _("invalid crontab '%(crontab)s': %(problem)s") % {"crontab": expression, "problem": message}
+        ) from None
     return fields
 
 
@@ -58,10 +62,10 @@ def schedule_errors(*, interval_seconds: int | None, crontab: str, timezone: str
     """Exactly one of an interval or a crontab (with a known timezone)."""
     errors: dict[str, str] = {}
     if interval_seconds and crontab:
-        message = "give either interval_seconds or crontab, not both"
+        message = _("give either interval_seconds or crontab, not both")
         return {"interval_seconds": message, "crontab": message}
     if not interval_seconds and not crontab:
-        message = "give interval_seconds or crontab"
+        message = _("give interval_seconds or crontab")
         return {"interval_seconds": message, "crontab": message}
     if crontab:
         try:
@@ -118,7 +122,9 @@ def command_overlap_error(topic_filter: str, commands: list[str]) -> str | None:
     """A rule matching the workers' own commands would start a run per command: a loop."""
     for command in commands:
         if filters_overlap(topic_filter, command):
-            return f"the filter matches device command topics ({command}); a rule may not listen to commands"
+            return _(
+                "the filter matches device command topics (%(topic)s); a rule may not listen to commands"
+            ) % {"topic": command}
     return None
 
 
@@ -127,10 +133,10 @@ def published_overlap_error(topic_filter: str) -> str | None:
     commands: each run it starts publishes more of them."""
     for published in protocol.server_publish_filters():
         if filters_overlap(topic_filter, published):
-            return (
-                f"the filter matches topics iotqueue itself publishes ({published}); "
+            return _(
+                "the filter matches topics iotqueue itself publishes (%(topic)s); "
                 "a rule may not listen to them"
-            )
+            ) % {"topic": published}
     return None
 
 
@@ -144,12 +150,16 @@ def rule_reference_error(value: Any, topic_filter: str) -> str | None:
     for path in paths:
         root, _dot, rest = path.partition(".")
         if root not in RULE_ROOTS:
-            return f"{{{{ {path} }}}}: references start with topic or message"
+            return _("{{ %(path)s }}: references start with topic or message") % {"path": path}
         index = rest.split(".")[0]
         if root == "topic" and rest and not index.isdigit():
-            return f"{{{{ {path} }}}}: a topic level is a number from 0"
+            return _("{{ %(path)s }}: a topic level is a number from 0") % {"path": path}
         if root == "topic" and rest and "#" not in levels and int(index) >= len(levels):
-            return f"{{{{ {path} }}}}: the filter {topic_filter!r} has only {len(levels)} levels"
+            return _("{{ %(path)s }}: the filter '%(filter)s' has only %(count)d levels") % {
+                "path": path,
+                "filter": topic_filter,
+                "count": len(levels),
+            }
     return None
 
 
@@ -164,7 +174,7 @@ def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> 
     if problem:
         return {"topic_filter": problem}
     if not isinstance(parameters, dict):
-        errors["parameters"] = "parameters must be a JSON object"
+        errors["parameters"] = _("parameters must be a JSON object")
     else:
         problem = rule_reference_error(parameters, topic_filter)
         if problem:
@@ -172,7 +182,7 @@ def rule_errors(*, topic_filter: str, parameters: Any, idempotency_key: str) -> 
     if idempotency_key:
         problem = rule_reference_error(idempotency_key, topic_filter)
         if problem is None and not references(idempotency_key):
-            problem = "a dedupe key must reference the message or topic, e.g. {{ message.event_id }}"
+            problem = _("a dedupe key must reference the message or topic, e.g. {{ message.event_id }}")
         if problem:
             errors["idempotency_key"] = problem
     return errors

@@ -343,7 +343,7 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
         """*Run now*: a form for the run's parameters, priority and for-each target."""
         template = self.get_object(request, unquote(object_id))
         if template is None:
-            raise Http404(_("no template with id %(id)r") % {"id": object_id})
+            raise Http404(_("no template with id '%(id)s'") % {"id": object_id})
         if not self.has_run_permission(request):
             raise PermissionDenied
         # "Run this version" on a version's page comes here with ?version=N.
