@@ -15,19 +15,24 @@ from typing import Any
 from django import forms
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.utils.translation import gettext as _
 
 from .jsondepth import json_max_depth, json_too_deep
 from .text import text_problem
 
 
 def _depth_error() -> ValidationError:
-    return ValidationError(f"Nested more than {json_max_depth()} levels deep (IOTQUEUE_JSON_MAX_DEPTH).")
+    return ValidationError(
+        _("Nested more than %(depth)d levels deep (IOTQUEUE_JSON_MAX_DEPTH).") % {"depth": json_max_depth()}
+    )
 
 
 def _text_check(value: Any) -> None:
     problem = text_problem(value)
     if problem:
-        raise ValidationError(f"Text that cannot be stored is not accepted: {problem}")
+        raise ValidationError(
+            _("Text that cannot be stored is not accepted: %(problem)s") % {"problem": problem}
+        )
 
 
 def json_text_parse(text: str) -> Any:
@@ -35,7 +40,10 @@ def json_text_parse(text: str) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+        message = _("Not valid JSON: %(problem)s (line %(line)d, column %(column)d).")
+        raise ValidationError(
+            message % {"problem": exc.msg, "line": exc.lineno, "column": exc.colno}
+        ) from None
     except RecursionError:
         raise _depth_error() from None
     if json_too_deep(value):
@@ -69,7 +77,7 @@ class BoundedJSONFormField(forms.JSONField):
         try:
             return super().prepare_value(value)
         except RecursionError:  # stored before the limit existed: shown, not re-encoded
-            return "(nested too deeply to show)"
+            return _("(nested too deeply to show)")
 
 
 # For a ModelAdmin's or an inline's `formfield_overrides`.

@@ -138,7 +138,7 @@ def canvas_park(
     the task then fails like any task, with its chain stopped and its errbacks called.
     """
     if not Device.objects.filter(name=device).exists():
-        raise DeviceCommandFailed(f"no device named {device!r}")
+        raise DeviceCommandFailed(_("no device named '%(device)s'") % {"device": device})
     continuation = {field: getattr(request, field, None) for field in CONTINUATION_FIELDS}
     continuation["delivery_info"] = {"priority": (request.delivery_info or {}).get("priority")}
     try:
@@ -186,7 +186,10 @@ def canvas_resume(run_id: str) -> bool:
         _send_on(request, result)
         backend.mark_as_done(link.task_id, result, request=request)
     else:
-        exc = DeviceCommandFailed(f"run {run.pk} {run.status}: {run.error or 'no result'}")
+        reason = run.error or _("no result")
+        exc = DeviceCommandFailed(
+            _("run %(run)s %(status)s: %(reason)s") % {"run": run.pk, "status": run.status, "reason": reason}
+        )
         backend.mark_as_failure(link.task_id, exc, request=request, call_errbacks=True)
     log.info("canvas link %s resumed (run %s %s)", link.task_id, run.pk, run.status)
     return True
