@@ -77,12 +77,13 @@ class Command(LocalizedCommand):
             devices = devices.filter(name__in=options["devices"])
             missing = set(options["devices"]) - {d.name for d in devices}
             if missing:
-                raise CommandError(f"no such device: {', '.join(sorted(missing))}")
+                raise CommandError(_("no such device: %(names)s") % {"names": ", ".join(sorted(missing))})
         if options["force_release"]:
             for device in devices:
                 holder = lock_force_release(device=device, by=options["by"])
                 name = printable(device.name)
-                self.stdout.write(f"{name}: released from {holder}" if holder else f"{name}: free")
+                released = _("%(device)s: released from %(holder)s") % {"device": name, "holder": holder}
+                self.stdout.write(released if holder else _("%(device)s: free") % {"device": name})
             return
         names = list(devices.values_list("name", flat=True))
         works = devices_work(names)

@@ -1,5 +1,6 @@
 """`manage.py monitors_install`: install the jobs app's periodic tasks in beat's table (idempotent)."""
 
+from django.utils.translation import gettext as _
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from iotqueue.cli_language import LocalizedCommand
@@ -12,7 +13,8 @@ class Command(LocalizedCommand):
     def handle(self, *args, **options):
         for name, entry in beat_entries().items():
             every = max(1, round(float(entry["schedule"])))
-            interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=IntervalSchedule.SECONDS)
+            seconds = IntervalSchedule.SECONDS
+            interval, _created = IntervalSchedule.objects.get_or_create(every=every, period=seconds)
             task = PeriodicTask.objects.filter(name=name).first()
             if (
                 task is not None
@@ -20,10 +22,13 @@ class Command(LocalizedCommand):
                 and task.interval_id == interval.pk
                 and task.enabled
             ):
-                self.stdout.write(f"{name}: up to date")
+                self.stdout.write(_("%(name)s: up to date") % {"name": name})
                 continue
             PeriodicTask.objects.update_or_create(
                 name=name,
                 defaults={"task": entry["task"], "interval": interval, "crontab": None, "enabled": True},
             )
-            self.stdout.write(f"{name}: {entry['task']} every {every}s installed")
+            self.stdout.write(
+                _("%(name)s: %(task)s every %(every)ss installed")
+                % {"name": name, "task": entry["task"], "every": every}
+            )

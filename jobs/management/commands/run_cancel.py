@@ -1,6 +1,7 @@
 """`manage.py run_cancel RUN_ID`: cancel a pending or running run (audited)."""
 
 from django.core.management.base import CommandError
+from django.utils.translation import gettext as _
 
 from iotqueue.cli_language import LocalizedCommand
 from jobs.cancel import run_cancel
@@ -25,5 +26,7 @@ class Command(LocalizedCommand):
             raise CommandError(str(exc)) from None
         if not run_cancel(run=run, by=options["by"] or operator_name()):
             run.refresh_from_db()
-            raise CommandError(f"run {run_short_id(run)} is already {run.status}")
-        self.stdout.write(f"run {run_short_id(run)} canceled")
+            raise CommandError(
+                _("run %(run)s is already %(status)s") % {"run": run_short_id(run), "status": run.status}
+            )
+        self.stdout.write(_("run %(run)s canceled") % {"run": run_short_id(run)})

@@ -1,6 +1,7 @@
 """`manage.py run_retry RUN_ID [--wait]`: start a new run from the step a failed run stopped on."""
 
 from django.core.management.base import CommandError
+from django.utils.translation import gettext as _
 
 from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import RunNotFound, operator_name, run_find, run_wait, timeline_log_quiet
@@ -27,7 +28,7 @@ class Command(LocalizedCommand):
     def handle(self, *args, **options):
         timeline_log_quiet(options["verbosity"])
         if options["timeout"] is not None and not options["wait"]:
-            raise CommandError("--timeout needs --wait")
+            raise CommandError(_("--timeout needs --wait"))
         try:
             run = run_find(options["run"])
         except RunNotFound as exc:
@@ -35,7 +36,7 @@ class Command(LocalizedCommand):
         try:
             retry = run_retry(run=run, by=options["by"] or operator_name(), trigger=Trigger.CLI)
         except RetryError as exc:
-            raise CommandError(f"cannot retry: {exc}") from None
+            raise CommandError(_("cannot retry: %(error)s") % {"error": exc}) from None
         self.stdout.write(str(retry.pk))
         if options["wait"]:
             run_wait(self, retry, timeout=options["timeout"])

@@ -1,6 +1,7 @@
 """`manage.py run_show RUN_ID [--follow]`: a run's header, steps and event timeline."""
 
 from django.core.management.base import CommandError
+from django.utils.translation import gettext as _
 
 from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import (
@@ -35,7 +36,7 @@ class Command(LocalizedCommand):
 
     def handle(self, *args, **options):
         if options["events"] < 0:
-            raise CommandError("--events must be 0 (all) or more")
+            raise CommandError(_("--events must be 0 (all) or more"))
         try:
             run = run_find(options["run"])
         except RunNotFound as exc:
@@ -45,7 +46,8 @@ class Command(LocalizedCommand):
             return
         self._show(run, options["events"])
         if options["follow"] and run.status != RunStatus.SUCCEEDED:
-            raise CommandError(f"run {run_short_id(run)} {run.status}", returncode=EXIT_RUN_UNSUCCESSFUL)
+            ended = _("run %(run)s %(status)s") % {"run": run_short_id(run), "status": run.status}
+            raise CommandError(ended, returncode=EXIT_RUN_UNSUCCESSFUL)
 
     def _follow(self, run, events: int) -> None:
         """Follow it live, then show how it ended (but not after a timeout or Ctrl-C)."""

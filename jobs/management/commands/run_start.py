@@ -3,6 +3,7 @@
 import json
 
 from django.core.management.base import CommandError
+from django.utils.translation import gettext as _
 
 from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import operator_name, run_wait, timeline_log_quiet
@@ -20,7 +21,10 @@ def template_get(name: str) -> JobTemplate:
             JobTemplate.objects.order_by("name").values_list("name", flat=True)[: TEMPLATES_LISTED + 1]
         )
         known = ", ".join(names[:TEMPLATES_LISTED]) + (", ..." if len(names) > TEMPLATES_LISTED else "")
-        raise CommandError(f"no template named {name!r}; templates: {known or 'none yet'}")
+        raise CommandError(
+            _("no template named %(name)r; templates: %(known)s")
+            % {"name": name, "known": known or _("none yet")}
+        )
     return template
 
 
@@ -31,13 +35,13 @@ def parameters_parse(params_json: str | None, pairs: list[str]) -> dict:
         try:
             parameters = json.loads(params_json)
         except json.JSONDecodeError as exc:
-            raise CommandError(f"--params-json is not valid JSON: {exc}") from None
+            raise CommandError(_("--params-json is not valid JSON: %(error)s") % {"error": exc}) from None
         if not isinstance(parameters, dict):
-            raise CommandError("--params-json must be a JSON object, e.g. '{\"level\": 80}'")
+            raise CommandError(_("--params-json must be a JSON object, e.g. '{\"level\": 80}'"))
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
-            raise CommandError(f"--param {pair!r}: use KEY=VALUE, e.g. --param level=80")
+            raise CommandError(_("--param %(pair)r: use KEY=VALUE, e.g. --param level=80") % {"pair": pair})
         try:
             parameters[key.strip()] = json.loads(text)
         except json.JSONDecodeError:
@@ -81,7 +85,7 @@ class Command(LocalizedCommand):
     def handle(self, *args, **options):
         timeline_log_quiet(options["verbosity"])
         if options["timeout"] is not None and not options["wait"]:
-            raise CommandError("--timeout needs --wait")
+            raise CommandError(_("--timeout needs --wait"))
         template = template_get(options["template"])
         try:
             run, created = run_start(
@@ -93,9 +97,15 @@ class Command(LocalizedCommand):
                 idempotency_key=options["idempotency_key"],
             )
         except RunStartError as exc:
-            raise CommandError(f"cannot start {template.name!r}: {exc.field}: {exc}") from None
+            raise CommandError(
+                _("cannot start %(template)r: %(field)s: %(error)s")
+                % {"template": template.name, "field": exc.field, "error": exc}
+            ) from None
         self.stdout.write(str(run.pk))
         if not created:
-            self.stderr.write(f"idempotency key already used by this run ({run.status}); nothing new started")
+            self.stderr.write(
+                _("idempotency key already used by this run (%(status)s); nothing new started")
+                % {"status": run.status}
+            )
         if options["wait"]:
             run_wait(self, run, timeout=options["timeout"])

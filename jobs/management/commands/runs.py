@@ -26,7 +26,7 @@ class Command(LocalizedCommand):
 
     def handle(self, *args, **options):
         if options["limit"] < 1:
-            raise CommandError("--limit must be at least 1")
+            raise CommandError(_("--limit must be at least 1"))
         params = QueryDict(mutable=True)
         params.setlist("status", options["status"] or [])
         for name in ("template", "device", "since", "until"):
@@ -41,7 +41,7 @@ class Command(LocalizedCommand):
             raise CommandError(problems) from None
         runs = list(runs.order_by("-created_at")[: options["limit"]])
         if not runs:
-            self.stdout.write("no runs match")
+            self.stdout.write(_("no runs match"))
             return
         try:
             waiting = runs_waiting(runs)
