@@ -12,6 +12,7 @@ at 10,000 devices and 1,000,000 step rows.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -133,11 +134,23 @@ def device_reachable_q() -> Q:
     return Q(online=True) | Q(presence_required=False)
 
 
+def _device_named(names: list[str]) -> RawSQL:
+    """The device's name is one of `names`, given as one parameter: `name IN (...)` would
+    carry a placeholder per name (10,000 when every device is busy) into every count."""
+    if connection.vendor == "postgresql":
+        sql = '"devices_device"."name" = ANY(%s::text[])'
+        params: list[Any] = [names]
+    else:
+        sql = '"devices_device"."name" IN (SELECT value FROM json_each(%s))'
+        params = [json.dumps(names)]
+    return RawSQL(sql, params, output_field=BooleanField())
+
+
 def device_busy_q(*, locked: Iterable[str] | None) -> Q:
     """Devices holding their lock (names from `devices_locked`) or with a command in flight."""
     busy = Q(pk__in=_steps_in_flight())
     names = sorted(locked or ())
-    return busy | Q(name__in=names) if names else busy
+    return busy | Q(_device_named(names)) if names else busy
 
 
 def device_state_q(*, state: str, locked: Iterable[str] | None) -> Q:
