@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install messages run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet clean
+.PHONY: install messages run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
 
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
 $(RUN_STAMP): requirements.txt requirements-run.txt
@@ -89,6 +89,12 @@ bench-pg: install
 ## (bench/README.md). BENCH_FLEET_ARGS="--devices 200" for a quick look.
 bench-fleet: install
 	$(BIN)/python -m bench.fleet --database-url '$(BENCH_DATABASE_URL)' $(BENCH_FLEET_ARGS)
+
+## The dashboard, the run list and the device list timed at 10,000 devices and 1,000,000 step
+## rows, in a scratch database on BENCH_DATABASE_URL's PostgreSQL (bench/README.md).
+## BENCH_ADMIN_ARGS="--rows 20000" for a quick look.
+bench-admin: install
+	$(BIN)/python -m bench.admin_lists --server '$(BENCH_DATABASE_URL)' $(BENCH_ADMIN_ARGS)
 
 ## Update locale/*/LC_MESSAGES/django.po from the code (installs GNU gettext as root if missing);
 ## then translate the new messages in the .po and `make install` compiles them.
