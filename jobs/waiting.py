@@ -101,7 +101,7 @@ class StuckRun:
 
 
 @dataclass
-class _Facts:
+class WaitFacts:
     """What the rows' reasons need from the database and Redis, read once for all rows."""
 
     locks: dict[str, LockState] = field(default_factory=dict)
@@ -123,9 +123,9 @@ def _needs_lock(row: StepRun) -> bool:
     )
 
 
-def _facts_read(rows: Sequence[StepRun]) -> _Facts:
+def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
     """Two queries at most (fan-out counts, lock holders' rows) and one Redis pipeline."""
-    facts = _Facts()
+    facts = WaitFacts()
     fanout_keys = {(row.run_id, row.index) for row in rows if row.status == StepStatus.PENDING}
     if fanout_keys:
         runs = {run_id for run_id, _index in fanout_keys}
@@ -207,7 +207,7 @@ def _offline(row: StepRun, now: datetime) -> Waiting:
     )
 
 
-def _queued(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
     """A queued row: for presence, a disabled device, the lock, or flow control."""
     if row.device_id is None:
         return Waiting("dispatching", _("Being sent to its task"), since=row.queued_at)
@@ -274,7 +274,7 @@ def _wait_online(row: StepRun, now: datetime) -> Waiting:
     )
 
 
-def _pending(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+def _pending(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
     """A fan-out's device not started yet: max in flight, or the rollout rate."""
     at_work, first = facts.fanouts.get((row.run_id, row.index), (0, None))
     spec = row.run.plan[row.index]
@@ -341,7 +341,8 @@ def _retrying(row: StepRun, now: datetime) -> Waiting:
     )
 
 
-def _row_waiting(row: StepRun, facts: _Facts, now: datetime) -> Waiting:
+def row_waiting(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
+    """The reason of one unfinished row, from what `wait_facts_read` read: no I/O."""
     if row.status == StepStatus.PENDING:
         waiting = _pending(row, facts, now)
     elif row.status == StepStatus.QUEUED:
@@ -365,8 +366,8 @@ def steps_waiting(steps: Iterable[StepRun], *, now: datetime | None = None) -> d
     """
     now = now or timezone.now()
     rows = [row for row in steps if row.status in UNFINISHED]
-    facts = _facts_read(rows)
-    return {row.pk: _row_waiting(row, facts, now) for row in rows}
+    facts = wait_facts_read(rows)
+    return {row.pk: row_waiting(row, facts, now) for row in rows}
 
 
 def step_waiting(step: StepRun, *, now: datetime | None = None) -> Waiting | None:
