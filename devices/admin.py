@@ -1,4 +1,5 @@
-"""Admin for devices and groups: online state, lock holder and queue length at a glance."""
+"""Admin for devices and groups: labels, presence (online or offline since when), lock
+holder and queue length at a glance, in a list that fits a 1280-px window."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Count
 from django.http import HttpResponseRedirect
-from django.utils.html import format_html
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 from redis import RedisError
 
 from iotqueue.dynsec import DynsecError
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
+from iotqueue.moments import moment_html
 
 from .credentials import CredentialsUnavailable, device_password_issue, identity_conflict
 from .locks import LockState, device_lock_state, device_lock_states
@@ -23,8 +29,8 @@ from .topic_claims import device_topic_collisions
 
 log = logging.getLogger(__name__)
 
-# How many waiters the device page names; the rest are counted.
-QUEUE_NAMED = 10
+# How many waiters the device page names (one query describes them all); the rest are counted.
+QUEUE_NAMED = 50
 # Passwords issued by one admin action: each is shown in a message, so a page full at most.
 CREDENTIALS_AT_ONCE = 10
 
@@ -37,7 +43,7 @@ class DeviceGroupAdmin(admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(device_count=Count("devices"))
 
-    @admin.display(description="devices", ordering="device_count")
+    @admin.display(description=gettext_lazy("devices"), ordering="device_count")
     def device_count(self, group: DeviceGroup) -> int:
         return group.device_count
 
@@ -89,22 +95,28 @@ class DeviceForm(forms.ModelForm):
 class DeviceAdmin(admin.ModelAdmin):
     formfield_overrides = JSON_FORMFIELD_OVERRIDES
     form = DeviceForm
-    list_display = [
-        "name",
-        "enabled",
-        "online",
-        "presence_required",
-        "last_seen",
-        "lock_holder",
-        "queue_length",
-        "command_topic",
-        "reply_topic",
-    ]
+    # Topics and flow limits are on the device page: the list says what an operator scans
+    # for (which devices, where, up or down since when, busy with what) within 1280 px.
+    list_display = ["name", "labels_list", "presence", "lock_holder", "queue_length"]
     list_filter = ["enabled", "online", "presence_required", "groups"]
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
-    readonly_fields = ["online", "last_seen", "lock", "created_at", "updated_at"]
+    readonly_fields = ["presence", "lock", "created_at", "updated_at"]
+    # The device page opens with what it does now; the jobs app adds the steps waiting for it.
+    now_fields = ["presence", "lock"]
     actions = ["credentials_issue"]
+
+    def get_fieldsets(self, request, obj=None):
+        """What the device does now (an existing device only), then its fields as the form
+        lists them, then when the row was created and changed."""
+        fields = [(None, {"fields": DeviceForm.Meta.fields})]
+        if obj is None:
+            return fields
+        return [
+            (_("Now"), {"fields": self.now_fields}),
+            *fields,
+            (None, {"fields": [("created_at", "updated_at")]}),
+        ]
 
     # Saving or deleting a device also writes its broker identity (devices/credentials.py)
     # inside the admin's transaction: a broker that cannot take it undoes the change.
@@ -131,11 +143,13 @@ class DeviceAdmin(admin.ModelAdmin):
 
     def _broker_refused(self, request, exc: DynsecError):
         self.message_user(
-            request, f"The MQTT broker could not be updated, nothing changed: {exc}", messages.ERROR
+            request,
+            _("The MQTT broker could not be updated, nothing changed: %(error)s") % {"error": exc},
+            messages.ERROR,
         )
         return HttpResponseRedirect(request.get_full_path())
 
-    @admin.action(description="Issue a new MQTT password (shown once)", permissions=["change"])
+    @admin.action(description=gettext_lazy("Issue a new MQTT password (shown once)"), permissions=["change"])
     def credentials_issue(self, request, queryset):
         for device in queryset[:CREDENTIALS_AT_ONCE]:
             try:
@@ -143,23 +157,35 @@ class DeviceAdmin(admin.ModelAdmin):
             except (CredentialsUnavailable, DynsecError) as exc:
                 self.message_user(request, f"{device.name}: {exc}", messages.ERROR)
                 continue
-            self.message_user(
-                request,
-                f"{device.name}: MQTT username {device.name!r}, password {password!r}. "
-                "Copy it now; it is not shown again. The previous password no longer works.",
-                messages.WARNING,
-            )
+            issued = _(
+                "%(device)s: MQTT username %(username)r, password %(password)r. Copy it now; it is "
+                "not shown again. The previous password no longer works."
+            ) % {"device": device.name, "username": device.name, "password": password}
+            self.message_user(request, issued, messages.WARNING)
 
     def get_changelist_instance(self, request):
-        """The page's lock states in one Redis round trip, kept on its rows for the columns."""
+        """What the page's devices do now, read for the whole page at once (`devices_describe`)
+        and kept on its rows for the columns."""
         changelist = super().get_changelist_instance(request)
         devices = list(changelist.result_list)  # evaluates the page once; the template reuses it
+        now = timezone.now()
+        for device in devices:
+            device.list_now = now
+        self.devices_describe(devices)
+        return changelist
+
+    def devices_describe(self, devices: list[Device]) -> None:
+        """Set each device's `lock_state`, `lock_holder_html` (None: the holder's name is
+        shown) and `waiting` (how many wait for it; None: unknown) from one Redis round trip
+        and `lock_holders_describe`. The jobs app also counts the steps that wait outside the
+        lock queue (for a device that is offline)."""
         states = self.lock_states_read([device.name for device in devices])
-        urls = self.lock_holder_urls([state.holder for state in states.values() if state.holder])
+        described = self.lock_holders_describe([state.holder for state in states.values() if state.holder])
         for device in devices:
             device.lock_state = states.get(device.name)
-            device.lock_holder_url = urls.get(device.lock_state.holder) if device.lock_state else None
-        return changelist
+            holder = device.lock_state.holder if device.lock_state else None
+            device.lock_holder_html = described.get(holder) if holder else None
+            device.waiting = len(device.lock_state.queue) if device.lock_state else None
 
     def lock_states_read(self, names: list[str]) -> dict[str, LockState]:
         """Lock states from Redis; none (shown as '?') when Redis cannot be reached."""
@@ -169,41 +195,88 @@ class DeviceAdmin(admin.ModelAdmin):
             log.warning("device list without lock states: %s", exc)
             return {}
 
-    def lock_holder_urls(self, holders: list[str]) -> dict[str, str]:
-        """Admin links for lock holders; the jobs app links its step holders to their run."""
+    def lock_holders_describe(self, holders: list[str]) -> dict[str, str]:
+        """HTML for lock holders, for the whole page at once; the jobs app describes its step
+        holders as their run (linked) and step. A holder left out is shown as it is named."""
         return {}
 
-    @admin.display(description="lock holder")
+    @admin.display(description=gettext_lazy("labels"))
+    def labels_list(self, device: Device) -> str:
+        """Each label as a pill linking to the list of devices with that label."""
+        if not device.labels:
+            return "-"
+        return format_html_join(
+            "",
+            '<a class="iq-label" href="?{}">{}={}</a>',
+            (
+                (urlencode({f"labels__{key}": value}), key, value)
+                for key, value in sorted(device.labels.items())
+            ),
+        )
+
+    @admin.display(description=gettext_lazy("presence"), ordering="online")
+    def presence(self, device: Device) -> str:
+        """Online or offline since when (a device's presence change writes last_seen; while it
+        is online, its heartbeats refresh it), or that presence is not tracked."""
+        now = getattr(device, "list_now", None)
+        if not device.enabled:
+            state, text = "disabled", _("disabled")
+        elif not device.presence_required:
+            state, text = "untracked", _("presence not tracked")
+        elif device.online:
+            state, text = "online", _("online")
+        else:
+            state, text = "offline", _("offline")
+        if device.last_seen is None:
+            when = _("never seen") if state != "untracked" else ""
+        elif device.online or not device.presence_required:
+            when = format_html("{} {}", _("seen"), moment_html(device.last_seen, now=now))
+        else:
+            when = format_html("{} {}", _("since"), moment_html(device.last_seen, now=now))
+        return format_html(
+            '<span class="iq-presence-{}">{}</span><br><span class="iq-quiet">{}</span>', state, text, when
+        )
+
+    @admin.display(description=gettext_lazy("lock holder"))
     def lock_holder(self, device: Device) -> str:
         state = getattr(device, "lock_state", None)
         if state is None:
             return "?"
         if state.holder is None:
-            return "free"
-        if device.lock_holder_url:
-            return format_html('<a href="{}">{}</a>', device.lock_holder_url, state.holder)
-        return state.holder
+            return format_html('<span class="iq-quiet">{}</span>', _("free"))
+        return device.lock_holder_html or state.holder
 
-    @admin.display(description="queue")
+    @admin.display(description=gettext_lazy("queue"))
     def queue_length(self, device: Device) -> str:
-        state = getattr(device, "lock_state", None)
-        return "?" if state is None else str(len(state.queue))
+        waiting = getattr(device, "waiting", None)
+        return "?" if waiting is None else str(waiting)
 
-    @admin.display(description="Lock holder and queue")
+    @admin.display(description=gettext_lazy("Lock holder and queue"))
     def lock(self, device: Device) -> str:
-        """Live from Redis: who executes on the device now and who waits."""
+        """Live from Redis: who executes on the device now and who waits, in order."""
         try:
             state = device_lock_state(device.name)
         except RedisError as exc:
-            return f"unknown: Redis unreachable ({exc})"
-        if state.holder is None:
-            return "free"
-        holder = state.holder
-        url = self.lock_holder_urls([holder]).get(holder)
-        if url:
-            holder = format_html('<a href="{}">{}</a>', url, holder)
-        waiting = ", ".join(state.queue[:QUEUE_NAMED])
-        more = f" and {len(state.queue) - QUEUE_NAMED} more" if len(state.queue) > QUEUE_NAMED else ""
+            return _("unknown: Redis unreachable (%(error)s)") % {"error": exc}
+        if state.holder is None and not state.queue:
+            return _("free")
+        named = state.queue[:QUEUE_NAMED]
+        described = self.lock_holders_describe([h for h in (state.holder, *named) if h])
+        if state.holder:
+            fence = _("fence %(fence)s") % {"fence": state.fence}
+            holder = format_html(
+                '{} <span class="iq-quiet">({})</span>', described.get(state.holder, state.holder), fence
+            )
+        else:
+            holder = _("free")
+        if not state.queue:
+            return format_html("{}<br>{}", holder, _("Nobody waits."))
+        queue = format_html_join("", "<li>{}</li>", ((described.get(h, h),) for h in named))
+        more = len(state.queue) - len(named)
         return format_html(
-            "{} (fence {}); {} waiting: {}{}", holder, state.fence, len(state.queue), waiting, more
+            '{}<br>{}<ol class="iq-queue">{}</ol>{}',
+            holder,
+            _("%(count)s waiting, in order:") % {"count": len(state.queue)},
+            queue,
+            _("and %(count)s more") % {"count": more} if more > 0 else "",
         )

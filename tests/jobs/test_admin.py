@@ -399,10 +399,11 @@ def test_device_list_shows_lock_holder_linked_to_its_run_and_queue_length(client
         device_lock_acquire(device.name, holder=waiter, priority=5, lease_seconds=60)
     try:
         page = client.get("/admin/devices/device/").text
-        assert f'<a href="/admin/jobs/jobrun/{run.pk}/change/">step:{step.pk}</a>' in page
+        run_link = f'<a href="/admin/jobs/jobrun/{run.pk}/change/" title="step:{step.pk}">'
+        assert f"{run_link}run {str(run.pk)[:8]}</a>" in page
         assert '<td class="field-queue_length">2</td>' in page
         detail = client.get(f"/admin/devices/device/{device.pk}/change/").text
-        assert "2 waiting: probe:1, probe:2" in detail
+        assert "2 waiting, in order:" in detail and "<li>probe:1</li><li>probe:2</li>" in detail
     finally:
         for waiter in ("probe:1", "probe:2"):
             device_lock_dequeue(device.name, holder=waiter)
