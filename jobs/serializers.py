@@ -65,7 +65,8 @@ class WaitingSerializer(serializers.Serializer):
     """Why a step or run waits (jobs/waiting.py); computed when read, never stored."""
 
     reason = serializers.ChoiceField(
-        choices=sorted(REASONS), help_text="What it waits for, as a code (docs/operations.md lists them)."
+        choices=sorted(REASONS.items()),
+        help_text="What it waits for, as a code (docs/operations.md lists them).",
     )
     message = serializers.CharField(help_text="The same for people, in the request's language.")
     device = serializers.CharField(allow_null=True, help_text="The device it concerns, if any.")
@@ -119,12 +120,14 @@ def waiting_data(waiting: Waiting | None) -> dict | None:
     return WaitingSerializer(waiting).data if waiting is not None else None
 
 
-WAITING_HELP = "Why it waits (null: it does not): computed from the rows and the lock state when read."
+WAITING_HELP = "computed from the rows and the lock state when read, never stored"
 
 
 class StepRunSerializer(serializers.ModelSerializer):
     device = serializers.CharField(source="device_name")
-    waiting = serializers.SerializerMethodField(help_text=WAITING_HELP)
+    waiting = serializers.SerializerMethodField(
+        help_text=f"Why the step waits (null: it has finished); {WAITING_HELP}."
+    )
 
     class Meta:
         model = StepRun
@@ -189,7 +192,8 @@ class RunSerializer(serializers.ModelSerializer):
         "or a run from before versions).",
     )
     waiting = serializers.SerializerMethodField(
-        help_text="Why the run waits: its oldest unfinished step's reason (null: finished). " + WAITING_HELP
+        help_text="Why the run waits, as its oldest unfinished step's reason (null: it has ended); "
+        f"{WAITING_HELP}."
     )
 
     class Meta:
