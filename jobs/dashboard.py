@@ -23,7 +23,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import BooleanField, Count, Q, QuerySet
 from django.db.models.expressions import RawSQL
-from django.db.models.fields.json import KT
+from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 from redis import RedisError
@@ -44,6 +44,9 @@ FLEET_STATES = ("online", "offline", "busy", "idle", "disabled", "total")
 # Label values shown per chosen key: a key with more values than this (a serial number, say)
 # is no grouping; the rest are summed up in one "other values" row.
 LABEL_VALUES_SHOWN = 50
+# Label keys offered to group by: a fleet labelled with free-form keys would make the list
+# unusable long before this.
+LABEL_KEYS_SHOWN = 200
 # Run statuses in the chart, in stacking order (bottom first).
 CHART_STATUSES = (
     RunStatus.SUCCEEDED,
@@ -172,14 +175,15 @@ def device_state_q(*, state: str, locked: Iterable[str] | None) -> Q:
 
 
 def device_label_keys() -> list[str]:
-    """Every label key some device has, sorted: one pass over the device table's labels."""
+    """The label keys devices have, sorted (at most LABEL_KEYS_SHOWN): one pass over the
+    device table's labels."""
     if connection.vendor == "postgresql":
         sql = "SELECT DISTINCT jsonb_object_keys(labels) FROM devices_device"
     else:
         sql = "SELECT DISTINCT j.key FROM devices_device, json_each(devices_device.labels) AS j"
     with connection.cursor() as cursor:
         cursor.execute(sql)
-        return sorted(row[0] for row in cursor.fetchall())
+        return sorted(row[0] for row in cursor.fetchall())[:LABEL_KEYS_SHOWN]
 
 
 def fleet_board(*, label: str | None = None) -> FleetBoard:
@@ -197,7 +201,9 @@ def fleet_board(*, label: str | None = None) -> FleetBoard:
     if label is None:
         counts = _counts(devices.aggregate(**states))
         return FleetBoard(None, counts, [], 0, None, keys, locked is not None)
-    grouped = devices.values(value=KT(f"labels__{label}")).annotate(**states).order_by("-n_total", "value")
+    # The key as one path element: a key holding "__" is no lookup path.
+    value = KeyTextTransform(label, "labels")
+    grouped = devices.values(value=value).annotate(**states).order_by("-n_total", "value")
     rows = [FleetRow(group["value"], _counts(group)) for group in grouped]
     totals = sum((row.counts for row in rows), FleetCounts())
     shown, rest = rows[:LABEL_VALUES_SHOWN], rows[LABEL_VALUES_SHOWN:]

@@ -207,6 +207,28 @@ def test_a_running_rollout_shows_its_progress_pace_and_abort_margin(stack, simul
 
 
 @pytest.mark.django_db
+def test_an_unknown_or_odd_label_key_never_breaks_the_page(client, boss):
+    # given devices whose label keys are odd: "__" inside, a lookup's name, markup
+    DeviceFactory(labels={"a__b": "x", "contains": "y", "<b>": "z"})
+
+    # when the dashboard is asked for each of them, and for a key no device has
+    for label in ("a__b", "contains", "<b>", "nope", ""):
+        response = client.get("/admin/", {"label": label})
+
+        # then it renders; an existing key is counted by its own value, without a link when
+        # the device list's lookups cannot express it
+        assert response.status_code == 200, label
+        page = response.text
+        if label in ("a__b", "contains", "<b>"):
+            rows = section(page, "dash-fleet-labels")
+            assert label != "<b>" or "<b>" not in rows
+            value = {"a__b": "x", "contains": "y", "<b>": "z"}[label]
+            assert label_row(page, value)["total"] == 1
+        else:
+            assert 'id="dash-fleet-labels"' not in page
+
+
+@pytest.mark.django_db
 def test_recent_failures_show_the_error(client, boss):
     # given a failed run
     template = JobTemplateFactory()
