@@ -26,6 +26,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import TruncHour
 from django.utils import timezone
+from django.utils.translation import gettext as _
 from redis import RedisError
 
 from devices.locks import lock_shards, shard_key
@@ -402,11 +403,13 @@ def _fanout_at_cursor() -> RawSQL:
 
 
 def _target(spec: Mapping[str, Any]) -> str:
+    """A fan-out's devices, for people: its group, labels or selector."""
     if spec.get("group"):
-        return f"group {spec['group']}"
+        return _("group %(group)s") % {"group": spec["group"]}
     if spec.get("labels"):
-        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
-    return f"selector {spec.get('selector', '')}"
+        labels = ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+        return _("labels %(labels)s") % {"labels": labels}
+    return _("selector %(selector)s") % {"selector": spec.get("selector", "")}
 
 
 def rollouts_active(*, now: datetime | None = None, limit: int = ROLLOUTS_SHOWN) -> list[Rollout]:
