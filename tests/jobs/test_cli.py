@@ -321,7 +321,7 @@ def test_progress_bar():
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
-def test_runs_run_show_and_locks_say_why_runs_wait(stack, manual_device):
+def test_runs_run_show_and_locks_say_why_runs_wait(stack, manual_device, settings):
     # given a device working on run A (it never answers), run B queued behind it, and run C
     # waiting for a device that went offline
     busy = DeviceFactory()
@@ -359,3 +359,13 @@ def test_runs_run_show_and_locks_say_why_runs_wait(stack, manual_device):
     (offline_line,) = lines_with(locks, offline.name)
     assert f"(offline) run {str(third.pk)[:8]} step #0 on" in offline_line
     assert offline_line.split()[1:2] == ["-"]  # nobody holds it
+
+    # when the stuck runs are listed: none before the threshold, all three past it
+    settings.IOTQUEUE_STUCK_AFTER_SECONDS = 3600
+    assert output("runs", "--stuck") == "no run is stuck\n"
+    settings.IOTQUEUE_STUCK_AFTER_SECONDS = 0
+    stuck = output("runs", "--stuck")
+    assert lines_with(stuck, str(third.pk)[:8], "device_offline")
+    assert lines_with(stuck, str(second.pk)[:8], "device_busy")
+    with pytest.raises(CommandError, match="--stuck"):
+        output("runs", "--stuck", "--status", "running")
