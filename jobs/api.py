@@ -6,6 +6,7 @@ from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
+from django.utils.translation import gettext as _
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
@@ -40,7 +41,14 @@ def runs_filter(queryset, params):
     statuses = params.getlist("status")
     unknown = set(statuses) - set(RunStatus.values)
     if unknown:
-        raise ValidationError({"status": [f"unknown status {sorted(unknown)}; one of {RunStatus.values}"]})
+        raise ValidationError(
+            {
+                "status": [
+                    _("unknown status %(unknown)s; one of %(statuses)s")
+                    % {"unknown": sorted(unknown), "statuses": RunStatus.values}
+                ]
+            }
+        )
     if statuses:
         queryset = queryset.filter(status__in=statuses)
     if params.get("template"):
@@ -64,7 +72,7 @@ RUN_LIST_PARAMETERS = [
 
 def _datetime_param(name: str, value: str) -> datetime:
     """An ISO 8601 date-time as UTC; 400 for a malformed one or an offset no database takes."""
-    problem = ["use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z"]
+    problem = [_("use an ISO 8601 date-time, e.g. 2026-11-22T02:00:00Z")]
     try:
         when = parse_datetime(value)
         if when is not None:
@@ -142,9 +150,12 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """Cancel a pending or running run (409 when it has already ended)."""
         run = self.get_object()
         if not request.user.has_perm("jobs.change_jobrun"):
-            self.permission_denied(request, message="You may not cancel runs.")
+            self.permission_denied(request, message=_("You may not cancel runs."))
         if not run_cancel(run=run, by=request.user.username):
-            return Response({"detail": f"run is already {run.status}"}, status=status.HTTP_409_CONFLICT)
+            return Response(
+                {"detail": _("run is already %(status)s") % {"status": run.status}},
+                status=status.HTTP_409_CONFLICT,
+            )
         run.refresh_from_db()
         return Response(RunSerializer(run, context={"request": request}).data)
 
@@ -170,7 +181,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         """
         run = self.get_object()
         if not request.user.has_perm("jobs.add_jobrun"):
-            self.permission_denied(request, message="You may not start runs.")
+            self.permission_denied(request, message=_("You may not start runs."))
         try:
             retry = run_retry(run=run, by=request.user.username, trigger="rest")
         except RetryError as exc:
@@ -201,7 +212,7 @@ class DeviceLockReleaseView(APIView):
     )
     def post(self, request, name: str):
         if not request.user.has_perm("devices.change_device"):
-            self.permission_denied(request, message="You may not release device locks.")
+            self.permission_denied(request, message=_("You may not release device locks."))
         device = get_object_or_404(Device, name=name)
         holder = lock_force_release(device=device, by=request.user.username)
         return Response({"device": device.name, "released_from": holder})

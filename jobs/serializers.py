@@ -4,6 +4,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from django.db.models import Manager
+from django.utils.translation import gettext as _
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -36,28 +37,29 @@ class RunStartSerializer(serializers.Serializer):
     def validate_for_each(self, value):
         if not isinstance(value, dict) or set(value) - {"group", "labels", "selector"} or not value:
             raise serializers.ValidationError(
-                'Use {"group": NAME}, {"labels": {KEY: VALUE}} or {"selector": "KEY in (A,B),!KEY"}.'
+                _('Use {"group": NAME}, {"labels": {KEY: VALUE}} or {"selector": "KEY in (A,B),!KEY"}.')
             )
         if not isinstance(value.get("group", ""), str):
-            raise serializers.ValidationError("group must be a group's name.")
+            raise serializers.ValidationError(_("group must be a group's name."))
         if not isinstance(value.get("labels", {}), dict):
-            raise serializers.ValidationError("labels must be a JSON object.")
+            raise serializers.ValidationError(_("labels must be a JSON object."))
         if not isinstance(value.get("selector", ""), str):
-            raise serializers.ValidationError("selector must be a string.")
+            raise serializers.ValidationError(_("selector must be a string."))
         try:
             requirements = selector_parse(value.get("selector", ""))
         except ValueError as exc:
-            raise serializers.ValidationError(f"Not a label selector: {exc}.") from None
+            problem = _("Not a label selector: %(error)s.") % {"error": exc}
+            raise serializers.ValidationError(problem) from None
         if not value.get("group") and not value.get("labels") and not requirements:
             # An empty selector matches every enabled device: one run on each, by accident.
             raise serializers.ValidationError(
-                "Name a group or at least one label; an empty selector is refused."
+                _("Name a group or at least one label; an empty selector is refused.")
             )
         return value
 
     def validate_parameters(self, value):
         if not isinstance(value, dict):
-            raise serializers.ValidationError("Must be a JSON object.")
+            raise serializers.ValidationError(_("Must be a JSON object."))
         return value
 
 

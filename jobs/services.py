@@ -125,11 +125,12 @@ def plan_step_target(spec: dict[str, Any]) -> str:
     if spec.get("device_param"):
         return f"{{{{ params.{spec['device_param']} }}}}"
     if spec.get("group"):
-        return f"group {spec['group']}"
+        return _("group %(group)s") % {"group": spec["group"]}
     if spec.get("labels"):
-        return "labels " + ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+        labels = ",".join(f"{k}={v}" for k, v in spec["labels"].items())
+        return _("labels %(labels)s") % {"labels": labels}
     if spec.get("selector"):
-        return f"selector {spec['selector']}"
+        return _("selector %(selector)s") % {"selector": spec["selector"]}
     return "-"
 
 
