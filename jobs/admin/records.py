@@ -8,11 +8,12 @@ from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 
 from devices.models import Device
+from iotqueue.moments import moment_html
 
-from ..models import RunEvent, StepRun
+from ..models import JobRun, Phase, RunEvent, StepRun
 from ..timeline import ATTENTION_KINDS
 from ..waiting import OFFLINE_WAIT_EVENTS
-from .display import run_url, status_badge
+from .display import run_url, status_badge, status_label
 from .paging import EstimatedCountPaginator
 
 # The kinds the run page colours as failures (timeline.FAILURE_SUFFIXES: ".failed",
@@ -48,18 +49,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(StepRun)
 class StepRunAdmin(ReadOnlyAdmin):
-    list_display = [
-        "id",
-        "run_link",
-        "index",
-        "phase",
-        "device",
-        "action",
-        "status_badge",
-        "attempt",
-        "dispatched_at",
-        "finished_at",
-    ]
+    # Narrow enough for a 1280-px window beside the navigation and the filter: the run's id
+    # over its template, the device over the action, the attempt under the status, when it
+    # was sent over when it ended (to the second).
+    list_display = ["id", "run_link", "step", "target", "status_badge", "times"]
     # Status only: a filter on phase would read every row for the rare compensation rows
     # (no index has phase; the run page shows a run's compensations).
     list_filter = ["status"]
@@ -73,7 +66,13 @@ class StepRunAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("run"))
     def run_link(self, step_run: StepRun) -> str:
-        return format_html('<a href="{}">{}</a>', run_url(step_run.run_id), step_run.run)
+        return run_cell(step_run.run)
+
+    @admin.display(description=_("step"))
+    def step(self, step_run: StepRun) -> str:
+        if step_run.phase == Phase.COMPENSATION:
+            return format_html('#{} <span class="iq-quiet">{}</span>', step_run.index, _("compensation"))
+        return f"#{step_run.index}"
 
     def get_search_results(self, request, queryset, search_term):
         """Rows with that command id or on the device of that name, each through its index.
@@ -89,7 +88,22 @@ class StepRunAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, step_run: StepRun) -> str:
-        return status_badge(step_run.status)
+        attempt = _("attempt %(attempt)s") % {"attempt": step_run.attempt}
+        return format_html('{}<br><span class="iq-quiet">{}</span>', status_badge(step_run.status), attempt)
+
+    @admin.display(description=_("device and action"))
+    def target(self, step_run: StepRun) -> str:
+        return format_html(
+            '{}<br><span class="iq-quiet">{}</span>',
+            step_run.device.name if step_run.device_id else "-",
+            step_run.action,
+        )
+
+    # Times to the second (Django's list format reads "5:08 p.m."); sorted along the primary
+    # key, the list's only index-backed order.
+    @admin.display(description=_("sent / ended"), ordering="id")
+    def times(self, step_run: StepRun) -> str:
+        return format_html("{}<br>{}", moment_html(step_run.dispatched_at), moment_html(step_run.finished_at))
 
 
 class EventToneFilter(admin.SimpleListFilter):
@@ -119,15 +133,33 @@ class EventToneFilter(admin.SimpleListFilter):
 
 @admin.register(RunEvent)
 class RunEventAdmin(ReadOnlyAdmin):
-    list_display = ["id", "created_at", "kind", "run_link", "device", "message"]
+    list_display = ["id", "created", "kind", "run_link", "device", "message"]
     list_filter = [EventToneFilter]
     list_select_related = ["run__template"]
     search_fields = ["device__exact", "kind__exact"]  # both indexed: runevent_device_id, kind
     search_help_text = _("A device name or an event kind (exact), e.g. pump-0042 or reply.stale.")
     raw_id_fields = ["run", "step_run"]
 
+    class Media:
+        css = {"all": ["jobs/admin.css"]}
+
+    @admin.display(description=_("created at"), ordering="id")
+    def created(self, event: RunEvent) -> str:
+        return moment_html(event.created_at)
+
     @admin.display(description=_("run"))
     def run_link(self, event: RunEvent) -> str:
         if event.run_id is None:
             return "-"
-        return format_html('<a href="{}">{}</a>', run_url(event.run_id), event.run)
+        return run_cell(event.run)
+
+
+def run_cell(run: JobRun) -> str:
+    """A run in a list: its first characters (linked) over its template and status."""
+    return format_html(
+        '<a href="{}">{}</a><br><span class="iq-quiet">{} ({})</span>',
+        run_url(run.pk),
+        str(run.pk)[:8],
+        run.template.name,
+        status_label(run.status),
+    )

@@ -275,3 +275,14 @@ def test_lists_of_fifty_rows_take_as_many_queries_as_lists_of_two(
     with django_assert_max_num_queries(few):
         response = client.get(url)
     assert response.status_code == 200
+
+
+def test_step_run_and_event_lists_show_times_to_the_second(client, boss):
+    run = run_at(template_with_steps((DeviceFactory(), "unlock", {}), (DeviceFactory(), "on", {})), cursor=1)
+    RunEvent.objects.create(run=run, kind="step.queued", message="queued")
+    to_the_second = r"<time [^>]*>\d\d:\d\d:\d\d</time>"
+    steps = client.get("/admin/jobs/steprun/").text
+    assert re.search(to_the_second, row_of(steps, "iq-status-succeeded"))  # step 0, sent and ended
+    events = client.get("/admin/jobs/runevent/").text
+    assert re.search(to_the_second, row_of(events, "step.queued"))
+    assert "p.m." not in steps + events and "a.m." not in steps + events
