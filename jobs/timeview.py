@@ -420,12 +420,16 @@ def planned_rate(ramp: Ramp, counted: int) -> int:
     )
 
 
+# An axis maximum is one of these times a power of ten: quarters of it read as round numbers.
+NICE_FACTORS = (1, 1.2, 1.6, 2, 2.4, 3, 4, 5, 6, 8, 10)
+
+
 def nice_ceiling(value: float) -> float:
-    """1, 2 or 5 times a power of ten, at least `value` (an axis maximum)."""
+    """The smallest of NICE_FACTORS times a power of ten that is at least `value`."""
     if value <= 0:
         return 1.0
     power = 10 ** math.floor(math.log10(value))
-    for factor in (1, 2, 5, 10):
+    for factor in NICE_FACTORS:
         if factor * power >= value:
             return float(factor * power)
     return float(10 * power)

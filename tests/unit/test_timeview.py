@@ -15,6 +15,7 @@ from jobs.timeview import (
     Ramp,
     Span,
     StepGroup,
+    nice_ceiling,
     offset_label,
     planned_rate,
     rollout_chart_build,
@@ -250,3 +251,7 @@ def test_a_long_rollout_is_drawn_in_bounded_bars_and_without_a_limit_no_plan_lin
     assert "No rate limit" in chart.notes[0]
     # the average per minute stays 5 whatever a bar stands for
     assert {round(bar.height, 3) for bar in chart.bars[:-1]} == {round(chart.bars[0].height, 3)}
+
+
+def test_value_axes_end_on_round_numbers_close_above_the_data():
+    assert [nice_ceiling(v) for v in (0, 0.5, 1, 22, 101, 4_100)] == [1.0, 0.5, 1.0, 24.0, 120.0, 5_000.0]
