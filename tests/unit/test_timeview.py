@@ -255,3 +255,16 @@ def test_a_long_rollout_is_drawn_in_bounded_bars_and_without_a_limit_no_plan_lin
 
 def test_value_axes_end_on_round_numbers_close_above_the_data():
     assert [nice_ceiling(v) for v in (0, 0.5, 1, 22, 101, 4_100)] == [1.0, 0.5, 1.0, 24.0, 120.0, 5_000.0]
+
+
+def test_steps_without_a_device_get_a_lane_each():
+    # given: a delay and a task step between two device steps
+    spans = [
+        span(1, "gate-1", queued_at=at(0), dispatched_at=at(0), finished_at=at(1)),
+        span(2, "", index=1, action="delay", queued_at=at(1), dispatched_at=at(1), finished_at=at(6)),
+        span(3, "", index=2, action="report", queued_at=at(6), dispatched_at=at(6), finished_at=at(7)),
+        span(4, "gate-1", index=3, queued_at=at(7), dispatched_at=at(7), finished_at=at(8)),
+    ]
+    view = timeview_build(spans=spans, groups=[], start=T0, end=at(8), now=at(9))
+    assert [lane.label for lane in view.lanes] == ["gate-1", "#1 delay", "#2 report"]
+    assert view.bars[0].segments[0].y == view.bars[3].segments[0].y  # gate-1's two steps share its lane
