@@ -102,7 +102,7 @@ class DeviceAdmin(admin.ModelAdmin):
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
     readonly_fields = ["presence", "lock", "created_at", "updated_at"]
-    # The device page opens with what it does now; the jobs app adds the steps waiting for it.
+    # The device page opens with what it does now (the jobs app names the steps waiting for it).
     now_fields = ["presence", "lock"]
     actions = ["credentials_issue"]
 
