@@ -14,7 +14,7 @@ from . import protocol
 def device_name_validate(value: str) -> None:
     if not protocol.DEVICE_NAME_RE.match(value):
         raise ValidationError(
-            "Use letters, digits and . _ : - only (the name is one MQTT topic level).", code="invalid"
+            _("Use letters, digits and . _ : - only (the name is one MQTT topic level)."), code="invalid"
         )
 
 
@@ -22,12 +22,12 @@ def labels_validate(value) -> None:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
-        raise ValidationError('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.')
+        raise ValidationError(_('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.'))
 
 
 def config_validate(value) -> None:
     if not isinstance(value, dict):
-        raise ValidationError('Config must be a JSON object, e.g. {"mode": "eco"}.')
+        raise ValidationError(_('Config must be a JSON object, e.g. {"mode": "eco"}.'))
 
 
 def topic_validate(value: str) -> None:
@@ -40,23 +40,28 @@ def topic_validate(value: str) -> None:
     if problem:
         raise ValidationError(_("Not a topic the MQTT broker accepts: %(problem)s.") % {"problem": problem})
     if value and ("+" in value or "#" in value or value.startswith("/")):
-        raise ValidationError("A topic may not contain wildcards (+ #) or start with '/'.")
+        raise ValidationError(_("A topic may not contain wildcards (+ #) or start with '/'."))
     if value.startswith("$"):
         # $CONTROL/... administers the broker, $SYS/... is its own: a device's ACL on one
         # would hand it the broker.
-        raise ValidationError("A topic may not start with $: those are the broker's own topics.")
+        raise ValidationError(_("A topic may not start with $: those are the broker's own topics."))
     events = f"{settings.IOTQUEUE_TOPIC_PREFIX}/events"
     if value == events or value.startswith(events + "/"):
-        raise ValidationError(f"A topic may not be under {events}/, where iotqueue publishes run events.")
+        raise ValidationError(
+            _("A topic may not be under %(events)s/, where iotqueue publishes run events.")
+            % {"events": events}
+        )
 
 
 class DeviceGroup(models.Model):
     """A named set of devices that steps can target as a whole (fan-out comes later)."""
 
-    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
-    description = models.TextField(blank=True)
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[url_name_validator])
+    description = models.TextField(_("description"), blank=True)
 
     class Meta:
+        verbose_name = _("device group")
+        verbose_name_plural = _("device groups")
         ordering = ["name"]
 
     def __str__(self) -> str:
@@ -66,52 +71,69 @@ class DeviceGroup(models.Model):
 class Device(models.Model):
     """A device addressed over MQTT by its name, or by legacy topic overrides."""
 
-    name = models.CharField(max_length=128, unique=True, validators=[device_name_validate])
-    description = models.TextField(blank=True)
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[device_name_validate])
+    description = models.TextField(_("description"), blank=True)
     labels = models.JSONField(
+        _("labels"),
         default=dict,
         blank=True,
         validators=[labels_validate],
-        help_text='e.g. {"site": "berlin", "kind": "pump"}',
+        help_text=_('e.g. {"site": "berlin", "kind": "pump"}'),
     )
-    groups = models.ManyToManyField(DeviceGroup, blank=True, related_name="devices")
+    groups = models.ManyToManyField(DeviceGroup, blank=True, related_name="devices", verbose_name=_("groups"))
     command_topic = models.CharField(
+        _("command topic"),
         max_length=255,
         blank=True,
         validators=[topic_validate],
-        help_text="Legacy firmware: every command goes to this fixed topic, not P/<name>/cmd/<action>.",
+        help_text=_("Legacy firmware: every command goes to this fixed topic, not P/<name>/cmd/<action>."),
     )
     reply_topic = models.CharField(
+        _("reply topic"),
         max_length=255,
         blank=True,
         db_index=True,
         validators=[topic_validate],
-        help_text="Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done.",
+        help_text=_("Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done."),
     )
     config = models.JSONField(
+        _("config"),
         default=dict,
         blank=True,
         validators=[config_validate],
-        help_text="Free-form settings for jobs and firmware: a JSON object.",
+        help_text=_("Free-form settings for jobs and firmware: a JSON object."),
     )
     min_interval_seconds = models.FloatField(
-        default=0, help_text="Flow control: at least this long between two commands (slow firmware)."
+        _("min interval seconds"),
+        default=0,
+        help_text=_("Flow control: at least this long between two commands (slow firmware)."),
     )
     max_per_minute = models.PositiveIntegerField(
-        default=0, help_text="Flow control: at most this many commands per minute; 0 = no limit."
+        _("max per minute"),
+        default=0,
+        help_text=_("Flow control: at most this many commands per minute; 0 = no limit."),
     )
-    enabled = models.BooleanField(default=True, help_text="Disabled devices receive no commands.")
+    enabled = models.BooleanField(
+        _("enabled"), default=True, help_text=_("Disabled devices receive no commands.")
+    )
     presence_required = models.BooleanField(
+        _("presence required"),
         default=True,
-        help_text="Send commands only while the device reports online. Turn off for firmware that "
-        "publishes no status or heartbeat (it is then always treated as reachable).",
+        help_text=_(
+            "Send commands only while the device reports online. Turn off for firmware that "
+            "publishes no status or heartbeat (it is then always treated as reachable)."
+        ),
     )
-    online = models.BooleanField(default=False, help_text="From the device's retained status / last will.")
-    last_seen = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    online = models.BooleanField(
+        _("online"), default=False, help_text=_("From the device's retained status / last will.")
+    )
+    last_seen = models.DateTimeField(_("last seen"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     class Meta:
+        verbose_name = _("device")
+        verbose_name_plural = _("devices")
         ordering = ["name"]
 
     def __str__(self) -> str:

@@ -5,31 +5,32 @@ A module of its own so validation can name step kinds without importing jobs.mod
 """
 
 from django.db import models
+from django.utils.translation import gettext_lazy as _
 
 
 class OnFailure(models.TextChoices):
-    ABORT = "abort", "Abort the run"
-    CONTINUE = "continue", "Continue with the next step"
-    ROLLBACK = "rollback", "Roll back completed steps"
+    ABORT = "abort", _("Abort the run")
+    CONTINUE = "continue", _("Continue with the next step")
+    ROLLBACK = "rollback", _("Roll back completed steps")
 
 
 class RolloutIncrementOn(models.TextChoices):
-    SUCCEEDED = "succeeded", "Devices that succeeded"
-    NOTIFIED = "notified", "Devices that were sent the command"
+    SUCCEEDED = "succeeded", _("Devices that succeeded")
+    NOTIFIED = "notified", _("Devices that were sent the command")
 
 
 class AbortCause(models.TextChoices):
-    FAILED = "failed", "Failed"
-    REJECTED = "rejected", "Rejected by the device"
-    TIMED_OUT = "timed_out", "Timed out"
-    ANY = "any", "Any of these"
+    FAILED = "failed", _("Failed")
+    REJECTED = "rejected", _("Rejected by the device")
+    TIMED_OUT = "timed_out", _("Timed out")
+    ANY = "any", _("Any of these")
 
 
 class StepKind(models.TextChoices):
-    COMMAND = "command", "Send a command"
-    DELAY = "delay", "Wait a number of seconds"
-    WAIT_ONLINE = "wait_online", "Wait until the device is online"
-    TASK = "task", "Run a registered Celery task"
+    COMMAND = "command", _("Send a command")
+    DELAY = "delay", _("Wait a number of seconds")
+    WAIT_ONLINE = "wait_online", _("Wait until the device is online")
+    TASK = "task", _("Run a registered Celery task")
 
 
 # How far past its timeout a device may push an attempt by default (progress extend_seconds):

@@ -5,6 +5,7 @@ import uuid
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils.translation import gettext_lazy as _
 
 from devices.models import Device, DeviceGroup
 from devices.protocol import EXTEND_SECONDS_LIMIT
@@ -25,24 +26,30 @@ from .choices import (
 class JobTemplate(models.Model):
     """A named, ordered list of steps that a trigger can start as a run."""
 
-    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
-    description = models.TextField(blank=True)
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[url_name_validator])
+    description = models.TextField(_("description"), blank=True)
     default_priority = models.SmallIntegerField(
+        _("default priority"),
         default=5,
         validators=[MinValueValidator(0), MaxValueValidator(9)],
-        help_text="0 lowest .. 9 most urgent",
+        help_text=_("0 lowest .. 9 most urgent"),
     )
     max_duration = models.PositiveIntegerField(
+        _("max duration"),
         null=True,
         blank=True,
         validators=[MinValueValidator(1)],
-        help_text="Seconds a run may take from its start; past it the run ends timed_out and its "
-        "in-flight commands are canceled. Empty: no limit.",
+        help_text=_(
+            "Seconds a run may take from its start; past it the run ends timed_out and its "
+            "in-flight commands are canceled. Empty: no limit."
+        ),
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     class Meta:
+        verbose_name = _("job template")
+        verbose_name_plural = _("job templates")
         ordering = ["name"]
 
     def __str__(self) -> str:
@@ -53,101 +60,159 @@ class JobStep(models.Model):
     """One command to one device (or to every device of a group/selector), with its
     timeout, retry budget and failure policy; or a delay / wait-for-online step."""
 
-    template = models.ForeignKey(JobTemplate, on_delete=models.CASCADE, related_name="steps")
-    position = models.PositiveSmallIntegerField(help_text="Steps run in ascending position.")
-    name = models.CharField(
-        max_length=128, blank=True, help_text="Lets later steps say {{ steps.NAME.result }}."
+    template = models.ForeignKey(
+        JobTemplate, on_delete=models.CASCADE, related_name="steps", verbose_name=_("template")
     )
-    kind = models.CharField(max_length=16, choices=StepKind.choices, default=StepKind.COMMAND)
+    position = models.PositiveSmallIntegerField(
+        _("position"), help_text=_("Steps run in ascending position.")
+    )
+    name = models.CharField(
+        _("name"), max_length=128, blank=True, help_text=_("Lets later steps say {{ steps.NAME.result }}.")
+    )
+    kind = models.CharField(_("kind"), max_length=16, choices=StepKind.choices, default=StepKind.COMMAND)
     # Target: exactly one of device, device_param, group, labels, selector (delay steps have none).
-    device = models.ForeignKey(Device, on_delete=models.PROTECT, related_name="steps", null=True, blank=True)
+    device = models.ForeignKey(
+        Device,
+        on_delete=models.PROTECT,
+        related_name="steps",
+        null=True,
+        blank=True,
+        verbose_name=_("device"),
+    )
     device_param = models.CharField(
+        _("device param"),
         max_length=64,
         blank=True,
-        help_text="Run parameter holding the device name (for-each runs use 'device').",
+        help_text=_("Run parameter holding the device name (for-each runs use 'device')."),
     )
     group = models.ForeignKey(
-        DeviceGroup, on_delete=models.PROTECT, null=True, blank=True, related_name="steps"
+        DeviceGroup,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="steps",
+        verbose_name=_("group"),
     )
     labels = models.JSONField(
+        _("labels"),
         default=dict,
         blank=True,
-        help_text='Fan out to every enabled device with these labels, e.g. {"kind": "pump"}.',
+        help_text=_('Fan out to every enabled device with these labels, e.g. {"kind": "pump"}.'),
     )
     selector = models.CharField(
+        _("selector"),
         max_length=SELECTOR_MAX_LENGTH,
         blank=True,
-        help_text="Fan out to every enabled device a label selector matches when the step starts, "
-        "e.g. site in (berlin,paris),!legacy.",
+        help_text=_(
+            "Fan out to every enabled device a label selector matches when the step starts, "
+            "e.g. site in (berlin,paris),!legacy."
+        ),
     )
     action = models.CharField(
-        max_length=128, blank=True, help_text="e.g. unlock, on, snapshot, firmware/check"
+        _("action"), max_length=128, blank=True, help_text=_("e.g. unlock, on, snapshot, firmware/check")
     )
-    args = models.JSONField(default=dict, blank=True, help_text='JSON object, may use "{{ params.name }}".')
-    delay_seconds = models.FloatField(default=0, help_text="Delay steps: how long to wait.")
-    timeout_seconds = models.PositiveIntegerField(default=60, help_text="From dispatch to the device's done.")
+    args = models.JSONField(
+        _("args"), default=dict, blank=True, help_text=_('JSON object, may use "{{ params.name }}".')
+    )
+    delay_seconds = models.FloatField(
+        _("delay seconds"), default=0, help_text=_("Delay steps: how long to wait.")
+    )
+    timeout_seconds = models.PositiveIntegerField(
+        _("timeout seconds"), default=60, help_text=_("From dispatch to the device's done.")
+    )
     ack_timeout_seconds = models.PositiveIntegerField(
-        default=0, help_text="From dispatch to the device's ack; 0 = no separate ack deadline."
+        _("ack timeout seconds"),
+        default=0,
+        help_text=_("From dispatch to the device's ack; 0 = no separate ack deadline."),
     )
     queue_timeout_seconds = models.PositiveIntegerField(
-        default=600, help_text="How long the step may wait for a busy or offline device."
+        _("queue timeout seconds"),
+        default=600,
+        help_text=_("How long the step may wait for a busy or offline device."),
     )
     max_extend_seconds = models.PositiveIntegerField(
+        _("max extend seconds"),
         default=DEFAULT_MAX_EXTEND_SECONDS,
         validators=[MaxValueValidator(EXTEND_SECONDS_LIMIT)],
-        help_text="How far past its timeout a device may push an attempt's deadline (progress "
-        "extend_seconds); 0 = never.",
+        help_text=_(
+            "How far past its timeout a device may push an attempt's deadline (progress "
+            "extend_seconds); 0 = never."
+        ),
     )
-    max_attempts = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
-    backoff_seconds = models.FloatField(default=1.0, help_text="First retry delay; doubles each attempt.")
-    on_failure = models.CharField(max_length=16, choices=OnFailure.choices, default=OnFailure.ABORT)
-    compensation_action = models.CharField(max_length=128, blank=True)
-    compensation_args = models.JSONField(default=dict, blank=True)
+    max_attempts = models.PositiveSmallIntegerField(
+        _("max attempts"), default=1, validators=[MinValueValidator(1)]
+    )
+    backoff_seconds = models.FloatField(
+        _("backoff seconds"), default=1.0, help_text=_("First retry delay; doubles each attempt.")
+    )
+    on_failure = models.CharField(
+        _("on failure"), max_length=16, choices=OnFailure.choices, default=OnFailure.ABORT
+    )
+    compensation_action = models.CharField(_("compensation action"), max_length=128, blank=True)
+    compensation_args = models.JSONField(_("compensation args"), default=dict, blank=True)
     # Fan-out (group / labels targets).
     rollout_per_minute = models.PositiveIntegerField(
-        default=0, help_text="Devices started per minute; 0 = no limit."
+        _("rollout per minute"), default=0, help_text=_("Devices started per minute; 0 = no limit.")
     )
-    max_in_flight = models.PositiveIntegerField(default=0, help_text="Devices working at once; 0 = no limit.")
+    max_in_flight = models.PositiveIntegerField(
+        _("max in flight"), default=0, help_text=_("Devices working at once; 0 = no limit.")
+    )
     abort_failure_percent = models.PositiveSmallIntegerField(
+        _("abort failure percent"),
         null=True,
         blank=True,
         validators=[MaxValueValidator(100)],
-        help_text="Stop starting devices and fail the step when more than this % of finished devices failed.",
+        help_text=_(
+            "Stop starting devices and fail the step when more than this percentage of finished "
+            "devices failed."
+        ),
     )
     abort_min_devices = models.PositiveIntegerField(
-        default=0, help_text="... but only once at least this many devices have finished."
+        _("abort min devices"),
+        default=0,
+        help_text=_("... but only once at least this many devices have finished."),
     )
     abort_criteria = models.JSONField(
+        _("abort criteria"),
         default=list,
         blank=True,
-        help_text='Abort by cause: a list of {"cause": "failed"|"rejected"|"timed_out"|"any", '
-        '"threshold_percent": 0-100, "min_executed": N}.',
+        help_text=_(
+            'Abort by cause: a list of {"cause": "failed"|"rejected"|"timed_out"|"any", '
+            '"threshold_percent": 0-100, "min_executed": N}.'
+        ),
     )
     # Exponential rollout (AWS IoT Jobs' exponentialRate): rollout_per_minute is the base rate.
     rollout_increment_factor = models.FloatField(
+        _("rollout increment factor"),
         default=1.0,
         validators=[MinValueValidator(1.0), MaxValueValidator(MAX_INCREMENT_FACTOR)],
-        help_text="Multiply the rollout rate by this at each step-up; 1 = a fixed rate.",
+        help_text=_("Multiply the rollout rate by this at each step-up; 1 = a fixed rate."),
     )
     rollout_increment_every = models.PositiveIntegerField(
-        default=0, help_text="Step the rate up after each this many devices (see rollout_increment_on)."
+        _("rollout increment every"),
+        default=0,
+        help_text=_("Step the rate up after each this many devices (see rollout_increment_on)."),
     )
     rollout_increment_on = models.CharField(
+        _("rollout increment on"),
         max_length=16,
         choices=RolloutIncrementOn.choices,
         default=RolloutIncrementOn.SUCCEEDED,
-        help_text="What counts towards a step-up: devices that succeeded, or that were notified.",
+        help_text=_("What counts towards a step-up: devices that succeeded, or that were notified."),
     )
     rollout_max_per_minute = models.PositiveIntegerField(
-        default=0, help_text="The ramp's maximum rate; 0 = no maximum."
+        _("rollout max per minute"), default=0, help_text=_("The ramp's maximum rate; 0 = no maximum.")
     )
     success_percent = models.PositiveSmallIntegerField(
+        _("success percent"),
         default=100,
         validators=[MaxValueValidator(100)],
-        help_text="The step succeeds when this % of devices did.",
+        help_text=_("The step succeeds when this percentage of devices did."),
     )
 
     class Meta:
+        verbose_name = _("job step")
+        verbose_name_plural = _("job steps")
         ordering = ["template", "position"]
         constraints = [
             models.UniqueConstraint(fields=["template", "position"], name="jobstep_unique_position"),
@@ -179,22 +244,31 @@ class TemplateVersion(models.Model):
     run of any version is started from its snapshot.
     """
 
-    template = models.ForeignKey(JobTemplate, on_delete=models.CASCADE, related_name="versions")
-    number = models.PositiveIntegerField()
+    template = models.ForeignKey(
+        JobTemplate, on_delete=models.CASCADE, related_name="versions", verbose_name=_("template")
+    )
+    number = models.PositiveIntegerField(
+        _("number"),
+    )
     author = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         on_delete=models.SET_NULL,
         null=True,
         blank=True,
         related_name="+",
-        help_text="Who saved the template; empty for the system (demo data, shell, a run's start).",
+        help_text=_("Who saved the template; empty for the system (demo data, shell, a run's start)."),
+        verbose_name=_("author"),
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    default_priority = models.SmallIntegerField()
-    max_duration = models.PositiveIntegerField(null=True, blank=True)
-    steps = models.JSONField(default=list)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    default_priority = models.SmallIntegerField(
+        _("default priority"),
+    )
+    max_duration = models.PositiveIntegerField(_("max duration"), null=True, blank=True)
+    steps = models.JSONField(_("steps"), default=list)
 
     class Meta:
+        verbose_name = _("template version")
+        verbose_name_plural = _("template versions")
         ordering = ["template", "-number"]
         constraints = [
             models.UniqueConstraint(fields=["template", "number"], name="templateversion_unique_number"),
@@ -210,14 +284,14 @@ class TemplateVersion(models.Model):
 
 
 class RunStatus(models.TextChoices):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    CANCELED = "canceled"
-    COMPENSATING = "compensating"
-    COMPENSATED = "compensated"
+    PENDING = "pending", _("Pending")
+    RUNNING = "running", _("Running")
+    SUCCEEDED = "succeeded", _("Succeeded")
+    FAILED = "failed", _("Failed")
+    TIMED_OUT = "timed_out", _("Timed Out")
+    CANCELED = "canceled", _("Canceled")
+    COMPENSATING = "compensating", _("Compensating")
+    COMPENSATED = "compensated", _("Compensated")
 
 
 RUN_TERMINAL = (
@@ -230,25 +304,28 @@ RUN_TERMINAL = (
 
 
 class Trigger(models.TextChoices):
-    REST = "rest"
-    ADMIN = "admin"
-    SCHEDULE = "schedule"
-    MQTT = "mqtt"
-    CLI = "cli"
-    CANVAS = "canvas"  # a device command link of a Celery chain, group or chord (jobs/canvas.py)
+    REST = "rest", _("REST API")
+    ADMIN = "admin", _("Admin")
+    SCHEDULE = "schedule", _("Schedule")
+    MQTT = "mqtt", _("MQTT")
+    CLI = "cli", _("CLI")
+    CANVAS = "canvas", _("Canvas")  # a device command link of a Celery chain, group or chord (jobs/canvas.py)
 
 
 class JobRun(models.Model):
     """One execution of a template; `cursor` is the position index of the current step."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="runs")
-    parameters = models.JSONField(default=dict, blank=True)
+    id = models.UUIDField(_("id"), primary_key=True, default=uuid.uuid4, editable=False)
+    template = models.ForeignKey(
+        JobTemplate, on_delete=models.PROTECT, related_name="runs", verbose_name=_("template")
+    )
+    parameters = models.JSONField(_("parameters"), default=dict, blank=True)
     plan = models.JSONField(
+        _("plan"),
         default=list,
         blank=True,
         editable=False,
-        help_text="The template's steps as they were when the run started.",
+        help_text=_("The template's steps as they were when the run started."),
     )
     template_version = models.ForeignKey(
         TemplateVersion,
@@ -257,15 +334,23 @@ class JobRun(models.Model):
         blank=True,
         editable=False,
         related_name="runs",
-        help_text="The version the plan was taken from (empty: a canvas command, or a run "
-        "from before versions).",
+        help_text=_(
+            "The version the plan was taken from (empty: a canvas command, or a run from before versions)."
+        ),
+        verbose_name=_("template version"),
     )
-    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING)
-    cursor = models.PositiveSmallIntegerField(default=0)
-    trigger = models.CharField(max_length=16, choices=Trigger.choices, default=Trigger.REST)
-    triggered_by = models.CharField(max_length=150, blank=True)
-    priority = models.SmallIntegerField(default=5, validators=[MinValueValidator(0), MaxValueValidator(9)])
-    idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
+    status = models.CharField(
+        _("status"), max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING
+    )
+    cursor = models.PositiveSmallIntegerField(_("cursor"), default=0)
+    trigger = models.CharField(_("trigger"), max_length=16, choices=Trigger.choices, default=Trigger.REST)
+    triggered_by = models.CharField(_("triggered by"), max_length=150, blank=True)
+    priority = models.SmallIntegerField(
+        _("priority"), default=5, validators=[MinValueValidator(0), MaxValueValidator(9)]
+    )
+    idempotency_key = models.CharField(
+        _("idempotency key"), max_length=200, null=True, blank=True, unique=True
+    )
     retry_of = models.OneToOneField(
         "self",
         on_delete=models.SET_NULL,
@@ -273,20 +358,31 @@ class JobRun(models.Model):
         blank=True,
         editable=False,
         related_name="retried_as",
-        help_text="The failed run this run retries from its failed step.",
+        help_text=_("The failed run this run retries from its failed step."),
+        verbose_name=_("retry of"),
     )
-    error = models.TextField(blank=True)
+    error = models.TextField(_("error"), blank=True)
     max_duration = models.PositiveIntegerField(
-        null=True, blank=True, editable=False, help_text="From its template version: seconds from start."
+        _("max duration"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("From its template version: seconds from start."),
     )
     deadline = models.DateTimeField(
-        null=True, blank=True, editable=False, help_text="started_at + max_duration: then it times out."
+        _("deadline"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("started_at + max_duration: then it times out."),
     )
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
 
     class Meta:
+        verbose_name = _("job run")
+        verbose_name_plural = _("job runs")
         ordering = ["-created_at"]
         indexes = [
             models.Index(fields=["status", "created_at"], name="jobrun_status_created"),
@@ -302,18 +398,18 @@ class JobRun(models.Model):
 
 
 class StepStatus(models.TextChoices):
-    PENDING = "pending"
-    QUEUED = "queued"
-    DISPATCHED = "dispatched"
-    IN_PROGRESS = "in_progress"
-    RETRYING = "retrying"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
+    PENDING = "pending", _("Pending")
+    QUEUED = "queued", _("Queued")
+    DISPATCHED = "dispatched", _("Dispatched")
+    IN_PROGRESS = "in_progress", _("In Progress")
+    RETRYING = "retrying", _("Retrying")
+    SUCCEEDED = "succeeded", _("Succeeded")
+    FAILED = "failed", _("Failed")
     # The device refused the command (protocol v1.1 `"status": "rejected"`): never retried.
-    REJECTED = "rejected"
-    TIMED_OUT = "timed_out"
-    CANCELED = "canceled"
-    SKIPPED = "skipped"
+    REJECTED = "rejected", _("Rejected")
+    TIMED_OUT = "timed_out", _("Timed Out")
+    CANCELED = "canceled", _("Canceled")
+    SKIPPED = "skipped", _("Skipped")
 
 
 STEP_TERMINAL = (
@@ -331,8 +427,8 @@ STEP_AT_WORK = (StepStatus.QUEUED, StepStatus.DISPATCHED, StepStatus.IN_PROGRESS
 
 
 class Phase(models.TextChoices):
-    FORWARD = "forward"
-    COMPENSATION = "compensation"
+    FORWARD = "forward", _("Forward")
+    COMPENSATION = "compensation", _("Compensation")
 
 
 class StepRun(models.Model):
@@ -342,38 +438,52 @@ class StepRun(models.Model):
     the compensation phase, with the index of the step it undoes.
     """
 
-    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, related_name="step_runs")
-    index = models.PositiveSmallIntegerField(help_text="Position of the step in the run, from 0.")
-    phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.FORWARD)
+    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, related_name="step_runs", verbose_name=_("run"))
+    index = models.PositiveSmallIntegerField(
+        _("index"), help_text=_("Position of the step in the run, from 0.")
+    )
+    phase = models.CharField(_("phase"), max_length=16, choices=Phase.choices, default=Phase.FORWARD)
     device = models.ForeignKey(
-        Device, on_delete=models.PROTECT, related_name="step_runs", null=True, blank=True
+        Device,
+        on_delete=models.PROTECT,
+        related_name="step_runs",
+        null=True,
+        blank=True,
+        verbose_name=_("device"),
     )
-    action = models.CharField(max_length=128)
-    args = models.JSONField(default=dict, blank=True)
-    status = models.CharField(max_length=16, choices=StepStatus.choices, default=StepStatus.PENDING)
-    attempt = models.PositiveSmallIntegerField(default=0)
-    command_id = models.CharField(max_length=64, null=True, blank=True, unique=True)
+    action = models.CharField(_("action"), max_length=128)
+    args = models.JSONField(_("args"), default=dict, blank=True)
+    status = models.CharField(
+        _("status"), max_length=16, choices=StepStatus.choices, default=StepStatus.PENDING
+    )
+    attempt = models.PositiveSmallIntegerField(_("attempt"), default=0)
+    command_id = models.CharField(_("command id"), max_length=64, null=True, blank=True, unique=True)
     fence = models.BigIntegerField(
-        null=True, blank=True, help_text="Lock fencing token of the current attempt."
+        _("fence"), null=True, blank=True, help_text=_("Lock fencing token of the current attempt.")
     )
-    deadline = models.DateTimeField(null=True, blank=True)
-    progress = models.PositiveSmallIntegerField(null=True, blank=True)
+    deadline = models.DateTimeField(_("deadline"), null=True, blank=True)
+    progress = models.PositiveSmallIntegerField(_("progress"), null=True, blank=True)
     # What the device said last and how often: progress of an attempt is kept here, and
     # only its first few messages are also timeline events (jobs/engine/reply.py).
     progress_detail = models.CharField(
-        max_length=500, blank=True, help_text="The latest progress detail of the current attempt."
+        _("progress detail"),
+        max_length=500,
+        blank=True,
+        help_text=_("The latest progress detail of the current attempt."),
     )
     progress_messages = models.PositiveIntegerField(
-        default=0, help_text="Progress messages received for the current attempt."
+        _("progress messages"), default=0, help_text=_("Progress messages received for the current attempt.")
     )
-    result = models.JSONField(null=True, blank=True)
-    error = models.TextField(blank=True)
-    queued_at = models.DateTimeField(null=True, blank=True)
-    dispatched_at = models.DateTimeField(null=True, blank=True)
-    acked_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(_("result"), null=True, blank=True)
+    error = models.TextField(_("error"), blank=True)
+    queued_at = models.DateTimeField(_("queued at"), null=True, blank=True)
+    dispatched_at = models.DateTimeField(_("dispatched at"), null=True, blank=True)
+    acked_at = models.DateTimeField(_("acked at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
 
     class Meta:
+        verbose_name = _("step run")
+        verbose_name_plural = _("step runs")
         # Column ids, not the relations: ordering by "run" would sort by JobRun's own ordering
         # and join jobs_jobrun into every query of this table, hot path included.
         ordering = ["run_id", "phase", "index", "device_id"]
@@ -407,17 +517,28 @@ class RunEvent(models.Model):
     no run; they carry the device name and topic instead.
     """
 
-    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events")
-    step_run = models.ForeignKey(
-        StepRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events"
+    run = models.ForeignKey(
+        JobRun, on_delete=models.CASCADE, null=True, blank=True, related_name="events", verbose_name=_("run")
     )
-    kind = models.CharField(max_length=48, db_index=True, help_text="e.g. step.dispatched, reply.stale")
-    device = models.CharField(max_length=128, blank=True)
-    message = models.TextField(blank=True)
-    data = models.JSONField(default=dict, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    step_run = models.ForeignKey(
+        StepRun,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="events",
+        verbose_name=_("step run"),
+    )
+    kind = models.CharField(
+        _("kind"), max_length=48, db_index=True, help_text=_("e.g. step.dispatched, reply.stale")
+    )
+    device = models.CharField(_("device"), max_length=128, blank=True)
+    message = models.TextField(_("message"), blank=True)
+    data = models.JSONField(_("data"), default=dict, blank=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True, db_index=True)
 
     class Meta:
+        verbose_name = _("run event")
+        verbose_name_plural = _("run events")
         ordering = ["id"]
         indexes = [
             models.Index(fields=["run", "id"], name="runevent_run_id"),
@@ -437,11 +558,17 @@ class CanvasLink(models.Model):
     failure) once the run ended. `resumed_at` makes that happen once.
     """
 
-    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="canvas_link", primary_key=True)
-    task_id = models.CharField(max_length=255, unique=True)
-    request = models.JSONField(default=dict)
-    created_at = models.DateTimeField(auto_now_add=True)
-    resumed_at = models.DateTimeField(null=True, blank=True)
+    run = models.OneToOneField(
+        JobRun, on_delete=models.CASCADE, related_name="canvas_link", primary_key=True, verbose_name=_("run")
+    )
+    task_id = models.CharField(_("task id"), max_length=255, unique=True)
+    request = models.JSONField(_("request"), default=dict)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    resumed_at = models.DateTimeField(_("resumed at"), null=True, blank=True)
+
+    class Meta:
+        verbose_name = _("canvas link")
+        verbose_name_plural = _("canvas links")
 
     def __str__(self) -> str:
         return f"canvas link {self.task_id}"

@@ -2,6 +2,7 @@
 
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils.translation import gettext_lazy as _
 from django_celery_beat.models import PeriodicTask
 
 from iotqueue.names import url_name_validator
@@ -15,9 +16,9 @@ RULE_ACTIVE_RUNS_DEFAULT = 10
 
 
 class Overlap(models.TextChoices):
-    SKIP = "skip", "Skip the fire while the previous run is active"
-    QUEUE = "queue", "Start after the previous run ends (at most one waiting)"
-    ALLOW = "allow", "Start regardless (runs may overlap)"
+    SKIP = "skip", _("Skip the fire while the previous run is active")
+    QUEUE = "queue", _("Start after the previous run ends (at most one waiting)")
+    ALLOW = "allow", _("Start regardless (runs may overlap)")
 
 
 class Schedule(models.Model):
@@ -28,34 +29,61 @@ class Schedule(models.Model):
     policy and starts the run.
     """
 
-    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
-    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="schedules")
-    parameters = models.JSONField(default=dict, blank=True)
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[url_name_validator])
+    template = models.ForeignKey(
+        JobTemplate, on_delete=models.PROTECT, related_name="schedules", verbose_name=_("template")
+    )
+    parameters = models.JSONField(_("parameters"), default=dict, blank=True)
     priority = models.SmallIntegerField(
-        null=True, blank=True, validators=PRIORITY_VALIDATORS, help_text="empty: the template's default"
+        _("priority"),
+        null=True,
+        blank=True,
+        validators=PRIORITY_VALIDATORS,
+        help_text=_("empty: the template's default"),
     )
     interval_seconds = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1)], help_text="fire every N seconds"
+        _("interval seconds"),
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text=_("fire every N seconds"),
     )
     crontab = models.CharField(
-        max_length=200, blank=True, help_text='"minute hour day-of-month month day-of-week", e.g. "0 2 * * *"'
+        _("crontab"),
+        max_length=200,
+        blank=True,
+        help_text=_('"minute hour day-of-month month day-of-week", e.g. "0 2 * * *"'),
     )
-    timezone = models.CharField(max_length=64, default="UTC", help_text="of the crontab, e.g. Europe/Berlin")
-    enabled = models.BooleanField(default=True)
-    overlap = models.CharField(max_length=8, choices=Overlap.choices, default=Overlap.SKIP)
+    timezone = models.CharField(
+        _("timezone"), max_length=64, default="UTC", help_text=_("of the crontab, e.g. Europe/Berlin")
+    )
+    enabled = models.BooleanField(_("enabled"), default=True)
+    overlap = models.CharField(_("overlap"), max_length=8, choices=Overlap.choices, default=Overlap.SKIP)
     periodic_task = models.OneToOneField(
-        PeriodicTask, null=True, blank=True, editable=False, on_delete=models.SET_NULL, related_name="+"
+        PeriodicTask,
+        null=True,
+        blank=True,
+        editable=False,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        verbose_name=_("periodic task"),
     )
     # Written by the fire task only (queryset updates, never save()).
-    fire_count = models.PositiveIntegerField(default=0, editable=False)
-    last_fired_at = models.DateTimeField(null=True, blank=True, editable=False)
+    fire_count = models.PositiveIntegerField(_("fire count"), default=0, editable=False)
+    last_fired_at = models.DateTimeField(_("last fired at"), null=True, blank=True, editable=False)
     queued_fire = models.PositiveIntegerField(
-        null=True, blank=True, editable=False, help_text="a fire waiting for the active run (overlap=queue)"
+        _("queued fire"),
+        null=True,
+        blank=True,
+        editable=False,
+        help_text=_("a fire waiting for the active run (overlap=queue)"),
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     class Meta:
+        verbose_name = _("schedule")
+        verbose_name_plural = _("schedules")
         ordering = ["name"]
 
     def __str__(self) -> str:
@@ -65,19 +93,27 @@ class Schedule(models.Model):
     def when(self) -> str:
         """The schedule in words: "every 30 s" or "0 2 * * * Europe/Berlin"."""
         if self.interval_seconds:
-            return f"every {self.interval_seconds} s"
+            return _("every %(seconds)d s") % {"seconds": self.interval_seconds}
         return f"{self.crontab} {self.timezone}" if self.crontab else "-"
 
 
 class ScheduledRun(models.Model):
     """Which schedule (and which of its fires) started a run; the overlap policy reads it."""
 
-    schedule = models.ForeignKey(Schedule, on_delete=models.CASCADE, related_name="scheduled_runs")
-    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="scheduled_run")
-    fire = models.PositiveIntegerField()
-    created_at = models.DateTimeField(auto_now_add=True)
+    schedule = models.ForeignKey(
+        Schedule, on_delete=models.CASCADE, related_name="scheduled_runs", verbose_name=_("schedule")
+    )
+    run = models.OneToOneField(
+        JobRun, on_delete=models.CASCADE, related_name="scheduled_run", verbose_name=_("run")
+    )
+    fire = models.PositiveIntegerField(
+        _("fire"),
+    )
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
 
     class Meta:
+        verbose_name = _("scheduled run")
+        verbose_name_plural = _("scheduled runs")
         ordering = ["-id"]
         indexes = [models.Index(fields=["schedule", "-id"], name="scheduledrun_schedule_id")]
 
@@ -93,37 +129,53 @@ class TriggerRule(models.Model):
     docs/triggers.md.
     """
 
-    name = models.CharField(max_length=128, unique=True, validators=[url_name_validator])
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[url_name_validator])
     topic_filter = models.CharField(
-        max_length=512, help_text="absolute MQTT filter, + and # allowed, e.g. site/+/door/+/opened"
+        _("topic filter"),
+        max_length=512,
+        help_text=_("absolute MQTT filter, + and # allowed, e.g. site/+/door/+/opened"),
     )
-    template = models.ForeignKey(JobTemplate, on_delete=models.PROTECT, related_name="trigger_rules")
+    template = models.ForeignKey(
+        JobTemplate, on_delete=models.PROTECT, related_name="trigger_rules", verbose_name=_("template")
+    )
     parameters = models.JSONField(
-        default=dict, blank=True, help_text='e.g. {"door": "{{ topic.3 }}", "badge": "{{ message.badge }}"}'
+        _("parameters"),
+        default=dict,
+        blank=True,
+        help_text=_('e.g. {"door": "{{ topic.3 }}", "badge": "{{ message.badge }}"}'),
     )
     idempotency_key = models.CharField(
+        _("idempotency key"),
         max_length=200,
         blank=True,
-        help_text="dedupe: messages rendering the same key start one run, e.g. {{ message.event_id }}",
+        help_text=_("dedupe: messages rendering the same key start one run, e.g. {{ message.event_id }}"),
     )
     priority = models.SmallIntegerField(
-        null=True, blank=True, validators=PRIORITY_VALIDATORS, help_text="empty: the template's default"
+        _("priority"),
+        null=True,
+        blank=True,
+        validators=PRIORITY_VALIDATORS,
+        help_text=_("empty: the template's default"),
     )
-    enabled = models.BooleanField(default=True)
+    enabled = models.BooleanField(_("enabled"), default=True)
     max_runs_per_minute = models.PositiveIntegerField(
+        _("max runs per minute"),
         default=RULE_RUNS_PER_MINUTE_DEFAULT,
         validators=[MinValueValidator(1)],
-        help_text="matching messages acted on in any 60 s (all bridges together); more are dropped",
+        help_text=_("matching messages acted on in any 60 s (all bridges together); more are dropped"),
     )
     max_active_runs = models.PositiveIntegerField(
+        _("max active runs"),
         default=RULE_ACTIVE_RUNS_DEFAULT,
         validators=[MinValueValidator(1)],
-        help_text="runs of this rule that have not ended; a message beyond it is dropped",
+        help_text=_("runs of this rule that have not ended; a message beyond it is dropped"),
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 
     class Meta:
+        verbose_name = _("trigger rule")
+        verbose_name_plural = _("trigger rules")
         ordering = ["name"]
 
     def __str__(self) -> str:
@@ -133,11 +185,17 @@ class TriggerRule(models.Model):
 class TriggeredRun(models.Model):
     """Which rule started a run; the rule's cap on active runs counts these."""
 
-    rule = models.ForeignKey(TriggerRule, on_delete=models.CASCADE, related_name="triggered_runs")
-    run = models.OneToOneField(JobRun, on_delete=models.CASCADE, related_name="triggered_run")
-    created_at = models.DateTimeField(auto_now_add=True)
+    rule = models.ForeignKey(
+        TriggerRule, on_delete=models.CASCADE, related_name="triggered_runs", verbose_name=_("rule")
+    )
+    run = models.OneToOneField(
+        JobRun, on_delete=models.CASCADE, related_name="triggered_run", verbose_name=_("run")
+    )
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
 
     class Meta:
+        verbose_name = _("triggered run")
+        verbose_name_plural = _("triggered runs")
         ordering = ["-id"]
         indexes = [models.Index(fields=["rule", "-id"], name="triggeredrun_rule_id")]
 
