@@ -44,6 +44,7 @@ def test_a_chinese_browser_gets_the_admin_in_chinese(client, boss):
     assert page_language(page) == "zh-hans"
     assert "注销" in page  # "Log out", Django's catalogue
     assert "任务运行" in page  # "Job runs", the project's
+    assert "登录尝试" in page  # django-axes' "Access attempts", which ships no Chinese
     assert "语言" in page and "简体中文" in page  # the switcher
     assert ">Log out<" not in page
 
