@@ -22,6 +22,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection
 from django.test import TransactionTestCase
+from django.utils import translation
 
 from devices.locks import lock_epoch_exists
 from devtools.processes import Supervisor, beat_argv, manage_argv, worker_argv
@@ -149,6 +150,14 @@ def _isolated_services(request: pytest.FixtureRequest) -> None:
     unit test starts none."""
     if _needs_stack(request):
         request.getfixturevalue("services")
+
+
+@pytest.fixture(autouse=True)
+def _language_reset() -> Iterator[None]:
+    """Each test starts in the default language: a request in Chinese leaves zh-hans active in
+    the thread (LocaleMiddleware activates a request's language and never deactivates it)."""
+    yield
+    translation.deactivate()
 
 
 @pytest.fixture(autouse=True)
