@@ -383,6 +383,10 @@ IOTQUEUE_RECONCILE_SECONDS = env.float("IOTQUEUE_RECONCILE_SECONDS", default=30.
 # Lease of a holder that was handed a device's lock, until its dispatch extends it: how
 # long a hand-off lost with a killed worker keeps the device idle.
 IOTQUEUE_HANDOFF_LEASE_SECONDS = env.float("IOTQUEUE_HANDOFF_LEASE_SECONDS", default=60.0)
+# A run is stuck (the dashboard's list, jobs/waiting.py runs_stuck) when its oldest unfinished
+# step has waited longer than this: five minutes is past any hand-off, retry or flow-control
+# pause of a healthy fleet, and short enough to catch an offline device before its queue timeout.
+IOTQUEUE_STUCK_AFTER_SECONDS = env.float("IOTQUEUE_STUCK_AFTER_SECONDS", default=300.0)
 # Finished runs (with their steps and events) older than this are deleted, hourly.
 IOTQUEUE_RETENTION_DAYS = env.float("IOTQUEUE_RETENTION_DAYS", default=30.0)
 # Events of no run (a device's dropped or unknown messages) are kept this long: they say
@@ -393,10 +397,6 @@ IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS = env.float("IOTQUEUE_ORPHAN_EVENT_RETENTIO
 # first one waited the max wait. At low load a reply waits only the idle time (a done not
 # at all: it sends its group at once); under load groups grow, and a worker takes up to
 # this many groups into one transaction.
-# A run is stuck (the dashboard's list, jobs/waiting.py runs_stuck) when its oldest unfinished
-# step has waited longer than this: five minutes is past any hand-off, retry or flow-control
-# pause of a healthy fleet, and short enough to catch an offline device before its queue timeout.
-IOTQUEUE_STUCK_AFTER_SECONDS = env.float("IOTQUEUE_STUCK_AFTER_SECONDS", default=300.0)
 IOTQUEUE_REPLY_BATCH_MAX = env.int("IOTQUEUE_REPLY_BATCH_MAX", default=64)
 IOTQUEUE_REPLY_BATCH_IDLE_MS = env.float("IOTQUEUE_REPLY_BATCH_IDLE_MS", default=1.0)
 IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS = env.float("IOTQUEUE_REPLY_BATCH_MAX_WAIT_MS", default=3.0)
