@@ -33,12 +33,15 @@ install: $(STAMP) $(CATALOGUES)
 run: $(RUN_STAMP) $(CATALOGUES)
 	$(BIN)/python -m devtools.devstack
 
-## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set).
+## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
+## first installs GNU gettext when missing (as root): the catalogue test extracts with it.
 test: install
+	$(BIN)/python -m devtools.messages install
 	$(BIN)/python -m pytest
 
 ## The unit tier alone (tests/unit/): logic module by module, no server started or reached.
 test-fast: install
+	$(BIN)/python -m devtools.messages install
 	$(BIN)/python -m pytest -m "not stack" tests/unit
 
 ## The API against its own schema, widely: schemathesis with every check and the examples,
