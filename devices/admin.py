@@ -216,8 +216,8 @@ class DeviceAdmin(admin.ModelAdmin):
 
     @admin.display(description=gettext_lazy("presence"), ordering="online")
     def presence(self, device: Device) -> str:
-        """Online or offline since when (a device's presence change writes last_seen; while it
-        is online, its heartbeats refresh it), or that presence is not tracked."""
+        """Online or offline since when (presence_since, written when presence changes), last
+        seen when that is not known yet, or that presence is not tracked."""
         now = getattr(device, "list_now", None)
         if not device.enabled:
             state, text = "disabled", _("disabled")
@@ -227,12 +227,16 @@ class DeviceAdmin(admin.ModelAdmin):
             state, text = "online", _("online")
         else:
             state, text = "offline", _("offline")
-        if device.last_seen is None:
-            when = _("never seen") if state != "untracked" else ""
-        elif device.online or not device.presence_required:
+        # An offline device sends nothing, so its last_seen is when it went offline.
+        since = device.presence_since if state == "online" else None
+        if state == "offline":
+            since = device.presence_since or device.last_seen
+        if since is not None:
+            when = format_html("{} {}", _("since"), moment_html(since, now=now))
+        elif device.last_seen is not None:
             when = format_html("{} {}", _("seen"), moment_html(device.last_seen, now=now))
         else:
-            when = format_html("{} {}", _("since"), moment_html(device.last_seen, now=now))
+            when = _("never seen") if state != "untracked" else ""
         return format_html(
             '<span class="iq-presence-{}">{}</span><br><span class="iq-quiet">{}</span>', state, text, when
         )

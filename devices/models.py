@@ -128,6 +128,11 @@ class Device(models.Model):
         _("online"), default=False, help_text=_("From the device's retained status / last will.")
     )
     last_seen = models.DateTimeField(_("last seen"), null=True, blank=True)
+    # When `online` last changed: "online since" / "offline since" (last_seen moves with every
+    # heartbeat, so it cannot say how long a device has been up).
+    presence_since = models.DateTimeField(
+        _("online or offline since"), null=True, blank=True, help_text=_("When the presence last changed.")
+    )
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 

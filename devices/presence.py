@@ -35,7 +35,11 @@ device_presence_changed = Signal()
 def device_presence_set(*, name: str, online: bool) -> bool:
     """Record the device online/offline; True when that changed its state."""
     now = timezone.now()
-    changed = Device.objects.filter(name=name).exclude(online=online).update(online=online, last_seen=now)
+    changed = (
+        Device.objects.filter(name=name)
+        .exclude(online=online)
+        .update(online=online, last_seen=now, presence_since=now)
+    )
     if changed:
         log.info("device %s is %s", name, "online" if online else "offline")
         device_presence_changed.send(sender=Device, name=name, online=online)

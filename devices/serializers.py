@@ -41,8 +41,9 @@ class DeviceSerializer(BoundedModelSerializer):
             "max_per_minute",
             "online",
             "last_seen",
+            "presence_since",
         ]
-        read_only_fields = ["online", "last_seen"]
+        read_only_fields = ["online", "last_seen", "presence_since"]
 
     def validate_name(self, value: str) -> str:
         """Refuse the service user's name (400) and a foreign broker identity's (409).

@@ -187,12 +187,13 @@ def clock(when: datetime | None, *, now: datetime | None = None) -> str:
 
 def _offline(row: StepRun, now: datetime) -> Waiting:
     device = row.device
-    if device.last_seen is None:
+    offline_since = device.presence_since or device.last_seen
+    if offline_since is None:
         message = _("Device %(device)s is offline (never seen online)") % {"device": device.name}
     else:
         message = _("Device %(device)s is offline since %(since)s") % {
             "device": device.name,
-            "since": clock(device.last_seen, now=now),
+            "since": clock(offline_since, now=now),
         }
     if row.status in STEP_IN_FLIGHT:
         message += " " + _("(it went offline during the attempt; the deadline at %(until)s decides)") % {
@@ -202,7 +203,7 @@ def _offline(row: StepRun, now: datetime) -> Waiting:
         "device_offline",
         message,
         device=device.name,
-        since=device.last_seen or row.queued_at,
+        since=offline_since or row.queued_at,
         until=row.deadline if row.status in STEP_IN_FLIGHT else None,
     )
 
@@ -265,7 +266,7 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
 
 def _wait_online(row: StepRun, now: datetime) -> Waiting:
     device = row.device
-    since = device.last_seen if not device.reachable else None
+    since = (device.presence_since or device.last_seen) if not device.reachable else None
     message = _("Waiting for device %(device)s to come online") % {"device": device.name}
     if since is not None:
         message += " " + _("(offline since %(since)s)") % {"since": clock(since, now=now)}

@@ -145,6 +145,7 @@ def test_device_list_shows_labels_presence_current_run_and_queue(client, boss):
     pump = DeviceFactory(labels={"site": "berlin", "kind": "pump"})
     offline = DeviceFactory(online=False)
     Device.objects.filter(pk=offline.pk).update(last_seen=timezone.now() - timedelta(minutes=3))
+    Device.objects.filter(pk=pump.pk).update(presence_since=timezone.now() - timedelta(hours=1))
     template = template_with_steps((pump, "firmware/check", {}))
     run = run_at(template)
     step = run.step_runs.get()
@@ -169,7 +170,8 @@ def test_device_list_shows_labels_presence_current_run_and_queue(client, boss):
     )
     assert "step #0 firmware/check" in row
     assert '<td class="field-queue_length">2</td>' in row
-    assert 'class="iq-presence-online"' in row
+    # online since its presence last changed, not "seen" (which every heartbeat moves)
+    assert 'class="iq-presence-online"' in row and "since <time" in row
     off = row_of(page, offline.name)
     assert 'class="iq-presence-offline"' in off and "since <time" in off
     # the device page names the waiting runs in order, each with why it waits
