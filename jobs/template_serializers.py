@@ -6,12 +6,15 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Prefetch
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from devices.models import Device, DeviceGroup
 from iotqueue.api import BoundedModelSerializer
 
 from .models import JobStep, JobTemplate, TemplateVersion
+from .parameters import template_parameters
 from .services import PLAN_FIELDS, template_version_record
 from .validation import template_errors
 
@@ -55,6 +58,12 @@ class JobTemplateSerializer(serializers.ModelSerializer):
     """A template and its steps; a step list sent replaces the whole list (validated as a whole)."""
 
     steps = JobStepSerializer(many=True)
+    parameters = serializers.SerializerMethodField(
+        help_text=gettext_lazy(
+            "The run parameters the steps read ({{ params.NAME }} in args, device_param): a run "
+            "of this template must give each of them."
+        )
+    )
 
     class Meta:
         model = JobTemplate
@@ -65,10 +74,16 @@ class JobTemplateSerializer(serializers.ModelSerializer):
             "default_priority",
             "max_duration",
             "steps",
+            "parameters",
             "created_at",
             "updated_at",
         ]
         read_only_fields = ["id", "created_at", "updated_at"]
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_parameters(self, template: JobTemplate) -> list[str]:
+        # The steps as prefetched (STEPS_PREFETCH, in position order): no query.
+        return template_parameters(list(template.steps.all()))
 
     def validate_steps(self, steps: list[dict]) -> list[dict]:
         if not steps:

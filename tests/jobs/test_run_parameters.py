@@ -52,6 +52,28 @@ def test_a_rest_start_without_a_parameter_the_steps_read_is_400_naming_it(admin_
     assert started.status_code == 201, started.content
 
 
+def test_a_template_says_which_parameters_a_run_must_give(admin_api):
+    # given a template whose first step reads {{ params.level }} and whose second addresses
+    # its device by the parameter `pump`, and reads `level` again in its compensation
+    template = template_with_steps((DeviceFactory(), "on", {"level": "{{ params.level }}"}))
+    JobStep.objects.create(
+        template=template,
+        position=2,
+        device_param="pump",
+        action="prime",
+        compensation_action="drain",
+        compensation_args={"to": "{{ params.level }}", "why": "{{ params.reason }}"},
+    )
+
+    # when it is read over REST
+    listed = admin_api.get("/api/templates/").json()["results"]
+    detail = admin_api.get(f"/api/templates/{template.name}/").json()
+
+    # then it lists each parameter once, in step order
+    assert detail["parameters"] == ["level", "pump", "reason"]
+    assert [t["parameters"] for t in listed if t["name"] == template.name] == [["level", "pump", "reason"]]
+
+
 def test_a_device_param_is_a_parameter_too_and_for_each_gives_it(admin_api):
     # given a template addressing its device by parameter
     pump = DeviceFactory(labels={"kind": "pump-params"})
