@@ -1,7 +1,5 @@
 """REST endpoints for devices and groups, and a device's live lock state."""
 
-from dataclasses import asdict
-
 from django.db import transaction
 from django.db.models.fields.json import KeyTransform
 from django.utils.translation import gettext as _
@@ -24,7 +22,6 @@ from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
 from .credentials import CredentialsUnavailable, IdentityForeign, device_password_issue
 from .labels import device_labels_update
-from .locks import device_lock_state
 from .models import Device, DeviceGroup
 from .selectors import selector_filter, selector_parse
 from .serializers import (
@@ -33,7 +30,6 @@ from .serializers import (
     DeviceLabelsResultSerializer,
     DeviceLabelsUpdateSerializer,
     DeviceSerializer,
-    LockStateSerializer,
 )
 
 # `?label=KEY=VALUE`: any key (compared as one key, never as a lookup path), any value.
@@ -94,7 +90,8 @@ class IdentityTaken(APIException):
     ),
 )
 class DeviceViewSet(viewsets.ModelViewSet):
-    """Devices by name; `GET /api/devices/<name>/lock/` shows holder, fence and wait queue.
+    """Devices by name. (`GET /api/devices/<name>/lock/`, the holder and queue with their runs,
+    is jobs/api.py's DeviceLockView: step rows are jobs business.)
 
     Writing a device also writes its broker identity (devices/credentials.py) in the same
     transaction: when the broker cannot take it, the answer is 503 and nothing changed.
@@ -231,9 +228,3 @@ class DeviceViewSet(viewsets.ModelViewSet):
                 {"matched": matched, "changed": len(changed), "devices": changed}
             ).data
         )
-
-    @extend_schema(responses=LockStateSerializer)
-    @action(detail=True, methods=["get"])
-    def lock(self, request, name=None):
-        device = self.get_object()
-        return Response(LockStateSerializer(asdict(device_lock_state(device.name))).data)

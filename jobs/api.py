@@ -1,5 +1,6 @@
 """REST endpoints for runs: start one (the trigger) and read where it stands."""
 
+from dataclasses import asdict
 from datetime import UTC, datetime
 
 from django.db.models import Prefetch
@@ -31,9 +32,16 @@ from .api_docs import run_start_schema, template_create_schema
 from .cancel import lock_force_release, run_cancel
 from .models import JobRun, JobTemplate, RunStatus, StepRun
 from .retry import RetryError, run_retry
-from .serializers import RunDetailSerializer, RunEventSerializer, RunSerializer, RunStartSerializer
+from .serializers import (
+    DeviceLockSerializer,
+    RunDetailSerializer,
+    RunEventSerializer,
+    RunSerializer,
+    RunStartSerializer,
+)
 from .services import RunStartError, run_start, run_start_each
 from .template_serializers import STEPS_PREFETCH, JobTemplateSerializer, TemplateVersionSerializer
+from .waiting import devices_work
 
 
 def runs_filter(queryset, params):
@@ -195,6 +203,33 @@ LOCK_RELEASE_RESPONSE = inline_serializer(
     "LockRelease",
     {"device": CharField(), "released_from": CharField(allow_null=True, help_text="null: it was free")},
 )
+
+
+class DeviceLockView(APIView):
+    """`GET /api/devices/<name>/lock/`: the lock's holder, fence and queue, and the runs and
+    steps behind them (a bare `step:149` names no run). Needs the *view device* permission.
+
+    Lives here, not in devices/api.py, for the reason DeviceLockReleaseView does: step rows
+    are jobs business, and devices never imports jobs.
+    """
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(responses={200: DeviceLockSerializer})
+    def get(self, request, name: str):
+        if not request.user.has_perm("devices.view_device"):
+            self.permission_denied(request, message=_("You may not view devices."))
+        device = get_object_or_404(Device, name=name)
+        work = devices_work([device.name])[device.name]
+        return Response(
+            DeviceLockSerializer(
+                {
+                    **asdict(work.lock),
+                    "holder_step": asdict(work.holder) if work.holder else None,
+                    "waiting": [asdict(ref) for ref in work.queued],
+                }
+            ).data
+        )
 
 
 class DeviceLockReleaseView(APIView):

@@ -9,6 +9,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from devices.selectors import selector_parse
+from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
 
 from .models import JobRun, JobTemplate, RunEvent, StepRun
@@ -258,3 +259,30 @@ class RunDetailSerializer(RunSerializer):
 
     def get_events_total(self, run: JobRun) -> int:
         return run.events.count()
+
+
+class LockStepSerializer(serializers.Serializer):
+    """A step row holding or waiting for a device's lock, named for people."""
+
+    step_run = serializers.IntegerField()
+    run = serializers.UUIDField()
+    index = serializers.IntegerField(help_text="The step's index in its run, from 0.")
+    action = serializers.CharField()
+    template = serializers.CharField()
+    queue_position = serializers.IntegerField(
+        allow_null=True,
+        help_text="1 = next in the device's lock queue; null: waiting for the device to come online.",
+    )
+
+
+class DeviceLockSerializer(LockStateSerializer):
+    """A device's lock (holder, fence, queue as the lock stores them) with the runs behind them."""
+
+    holder_step = LockStepSerializer(
+        allow_null=True, help_text="The run and step holding the lock, if a step does."
+    )
+    waiting = LockStepSerializer(
+        many=True,
+        help_text="The steps waiting for the device, in the order they will get it: the lock queue, "
+        "then those waiting for the device to come online.",
+    )
