@@ -35,7 +35,7 @@ RUN python -m iotqueue.catalogue compile
 # needs no secret: this one command runs in development mode, the image itself does not.
 RUN DEBUG=true python manage.py collectstatic --noinput --verbosity 0
 
-# settings.py creates var/ at import (SQLite file, dev-stack logs); it must be writable.
+# var/ holds the SQLite file when no DATABASE_URL is set; it must be writable then.
 RUN mkdir -p /app/var && chown iotqueue:iotqueue /app/var
 
 USER iotqueue

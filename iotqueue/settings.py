@@ -8,6 +8,7 @@ machine; production sets DATABASE_URL, REDIS_URL, MQTT_URL, SECRET_KEY and ALLOW
 
 import importlib.util
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_lazy as _
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-# Runtime files of the dev stack (SQLite database, server logs); never committed. Created
-# for its owner only: the database in it holds secrets (its file is 600 too).
+# Runtime files of the dev stack (SQLite database, server logs); never committed. Importing
+# the settings writes nothing (a read-only root file system must do): the SQLite backend
+# creates the directory, for its owner only, when it first opens the database in it
+# (iotqueue/backends/sqlite3/base.py); the dev stack when it writes its logs.
 VAR_DIR = BASE_DIR / "var"
-VAR_DIR.mkdir(mode=0o700, exist_ok=True)
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
@@ -236,7 +238,10 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
-STATIC_ROOT.mkdir(exist_ok=True)  # empty until collectstatic; WhiteNoise warns if it is missing
+if DEBUG:
+    # Absent until collectstatic (the image runs it); in development WhiteNoise serves the
+    # files from the apps (WHITENOISE_USE_FINDERS follows DEBUG), so its warning says nothing.
+    warnings.filterwarnings("ignore", message="No directory at: ")
 
 # API input limits (iotqueue/api.py, iotqueue/jsondepth.py). JSON nested deeper than this,
 # in a request body, a stored JSON field or a device message, is refused with a 400 (or
@@ -455,11 +460,12 @@ IOTQUEUE_RUN_EVENTS_MQTT = env.bool("IOTQUEUE_RUN_EVENTS_MQTT", default=True)
 # that sent something), and takes every event gathered meanwhile at once (one query for
 # their runs, one for the webhooks).
 IOTQUEUE_EVENTS_OUT_GATHER_MS = env.float("IOTQUEUE_EVENTS_OUT_GATHER_MS", default=50.0)
-# Mail the ADMINS (mail_admins, Django's EMAIL_* settings) when a run fails, times out or is
+# Mail the ADMINS (webhooks/mail.py, Django's EMAIL_* settings) when a run fails, times out or is
 # rolled back.
 IOTQUEUE_FAILED_RUN_EMAIL = env.bool("IOTQUEUE_FAILED_RUN_EMAIL", default=False)
-# Comma-separated "Name:mail@example.com" (or just the address).
-ADMINS = [(admin.partition(":")[0], admin.rpartition(":")[2]) for admin in env.list("ADMINS", default=[])]
+# Comma-separated addresses; "Name:mail@example.com" (the old form) is read as its address.
+# Plain addresses: Django 6 drops the (name, address) tuples (webhooks/mail.py reads these).
+ADMINS = [admin.rpartition(":")[2].strip() for admin in env.list("ADMINS", default=[])]
 SERVER_EMAIL = env("SERVER_EMAIL", default="iotqueue@localhost")
 EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.smtp.EmailBackend")
 EMAIL_HOST = env("EMAIL_HOST", default="localhost")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.mail import mail_admins
+from django.conf import settings
+from django.core.mail import EmailMessage
 
 
 def failed_run_mail_send(*, event: dict[str, Any]) -> None:
@@ -15,4 +16,12 @@ def failed_run_mail_send(*, event: dict[str, Any]) -> None:
         "",
         f"Error: {event['error'] or '-'}",
     ]
-    mail_admins(subject, "\n".join(lines), fail_silently=False)
+    if not settings.ADMINS:
+        return
+    # Not mail_admins: Django 5.2's wants (name, address) tuples, Django 6's plain addresses.
+    EmailMessage(
+        f"{settings.EMAIL_SUBJECT_PREFIX}{subject}",
+        "\n".join(lines),
+        settings.SERVER_EMAIL,
+        list(settings.ADMINS),
+    ).send(fail_silently=False)

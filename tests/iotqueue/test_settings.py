@@ -101,3 +101,40 @@ def test_debug_runs_on_development_defaults():
     assert (
         loaded["DEBUG"] is True and not loaded["SESSION_COOKIE_SECURE"] and not loaded["SECURE_SSL_REDIRECT"]
     )
+
+
+# Any attempt to create a directory or open a file for writing fails, as on a read-only root.
+READ_ONLY_IMPORT = (
+    "import builtins, os, pathlib\n"
+    "def refuse(*args, **kwargs):\n"
+    "    raise OSError(30, 'Read-only file system')\n"
+    "real_open = builtins.open\n"
+    "def open_read_only(file, mode='r', *args, **kwargs):\n"
+    "    if any(flag in mode for flag in 'wax+'):\n"
+    "        refuse()\n"
+    "    return real_open(file, mode, *args, **kwargs)\n"
+    "os.mkdir = os.makedirs = pathlib.Path.mkdir = pathlib.Path.touch = refuse\n"
+    "builtins.open = open_read_only\n"
+    "import iotqueue.settings as s\n"
+    "print(s.ADMINS)\n"
+)
+
+
+def test_settings_import_on_a_read_only_file_system():
+    # given a file system on which nothing may be created, and admins in both accepted forms
+    env = {name: value for name, value in os.environ.items() if name not in SETTINGS_ENV}
+    env.update(DEBUG="true", ADMINS="Ops:ops@example.com, oncall@example.com")
+
+    # when a process imports the settings
+    result = subprocess.run(
+        [sys.executable, "-c", READ_ONLY_IMPORT],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    # then they load, and ADMINS holds plain addresses (Django 6 drops the tuple form)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['ops@example.com', 'oncall@example.com']"

@@ -79,3 +79,16 @@ def test_an_existing_world_readable_database_is_narrowed_on_connect(tmp_path):
 
 def test_the_test_database_in_use_is_owner_only():
     assert mode(Path(connection.settings_dict["NAME"])) == 0o600
+
+
+def test_a_missing_directory_is_created_owner_only(tmp_path, common_umask):
+    # given a database path whose directory does not exist (a fresh checkout's var/)
+    path = tmp_path / "var" / "db.sqlite3"
+
+    # when the backend first opens it
+    wrapper = open_database(path)
+    try:
+        # then the directory was created, readable by its owner only, and the database in it
+        assert mode(path.parent) == 0o700 and mode(path) == 0o600
+    finally:
+        wrapper.close()

@@ -147,7 +147,7 @@ def test_an_unreachable_receiver_is_an_error_not_an_exception(settings):
 
 def test_the_failed_run_mail_goes_to_the_admins(settings):
     settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
-    settings.ADMINS = [("Ops", "ops@example.com")]
+    settings.ADMINS = ["ops@example.com"]
     failed_run_mail_send(
         event={"run": "0123456789", "template": "flash", "status": "failed", "time": "t", "error": "boom"}
     )

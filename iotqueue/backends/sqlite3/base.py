@@ -36,6 +36,8 @@ POLL_SECONDS = 0.0005
 TIMEOUT_DEFAULT = 5.0
 # Read and write for the owner only: the database holds secrets.
 FILE_MODE = 0o600
+# The directory a new database file is created in: its owner's only, for the same reason.
+DIRECTORY_MODE = 0o700
 # Files SQLite keeps beside the database, with its contents.
 SIDE_FILE_SUFFIXES = ("-wal", "-shm", "-journal")
 
@@ -78,8 +80,9 @@ class PollingCursor(base.SQLiteCursorWrapper):
 
 
 def database_file_protect(name: str) -> None:
-    """Create the database file `name` with FILE_MODE if it does not exist, and take group and
-    other permissions off it and the files beside it where they have them.
+    """Create the database file `name` with FILE_MODE (and its directory with DIRECTORY_MODE) if
+    it does not exist, and take group and other permissions off it and the files beside it
+    where they have them.
 
     How it fails: quietly, for an in-memory or URI database (nothing to protect or no plain
     path) and for a file it may not create or change: SQLite then opens it, or reports why not.
@@ -88,6 +91,8 @@ def database_file_protect(name: str) -> None:
         return
     path = Path(name)
     try:
+        # The directory too (var/ in development): the settings create nothing at import.
+        path.parent.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE))
     except OSError:  # it exists, or SQLite will say why it cannot be created
         pass
