@@ -1,4 +1,5 @@
-"""Admin for schedules (kept in step with their beat PeriodicTask) and MQTT trigger rules."""
+"""Admin for schedules (kept in step with their beat PeriodicTask, read-only in beat's admin:
+beat_admin.py) and MQTT trigger rules."""
 
 from django import forms
 from django.contrib import admin, messages
@@ -10,6 +11,7 @@ from django.utils.translation import gettext_lazy, ngettext
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from jobs.permissions import user_may_start_runs
 
+from . import beat_admin  # noqa: F401  (re-registers beat's PeriodicTask admin)
 from .models import Schedule, ScheduledRun, TriggerRule
 from .schedules import schedule_save
 from .validation import parameters_errors, rule_errors, schedule_errors
