@@ -300,34 +300,63 @@ def _gauge_metric(family: Family, read: GaugeReader) -> Metric:
 
 
 class RedisCollector(Collector):
-    """Reads every declared family at scrape time; a Redis failure fails the scrape."""
+    """Reads every declared counter and histogram at scrape time; a Redis failure fails the scrape."""
 
     def collect(self) -> Iterator[Metric]:
-        declared = families()
-        counted = [family for family in declared if family.kind != GAUGE]
+        counted = [family for family in families() if family.kind != GAUGE]
         with redis_connection().pipeline(transaction=False) as pipe:
             for family in counted:
                 pipe.hgetall(family.key)
             stored = dict(zip(counted, pipe.execute(), strict=True))
-        for family in declared:
-            if family.kind == GAUGE:
-                yield _gauge_metric(family, _registry[family.name].read)
-            elif family.kind == HISTOGRAM:
+        for family in counted:
+            if family.kind == HISTOGRAM:
                 yield _histogram_metric(family, stored[family])
             else:
                 yield _counter_metric(family, stored[family])
+
+
+# Set by GaugeCollector at every scrape: a gauge whose reader failed is left out, and this says so.
+GAUGE_ERRORS = Family(
+    "iotqueue_gauge_read_errors",
+    "1 for each gauge whose reader failed in this scrape (the gauge itself is left out), 0 for the others.",
+    GAUGE,
+    ("gauge",),
+)
+
+
+class GaugeCollector(Collector):
+    """Reads every registered gauge at scrape time, each on its own: a reader that fails (its
+    database or Redis away) is logged and its gauge left out of this scrape, with
+    `iotqueue_gauge_read_errors{gauge=...}` at 1, so one missing dependency never fails the scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        errors = GaugeMetricFamily(GAUGE_ERRORS.name, GAUGE_ERRORS.doc, labels=GAUGE_ERRORS.labels)
+        for family in families():
+            if family.kind != GAUGE:
+                continue
+            try:
+                metric = _gauge_metric(family, _registry[family.name].read)
+            except Exception as exc:  # any dependency of any reader: logged, answered by the error gauge
+                log.warning("metrics: gauge %s left out of this scrape: %s", family.name, exc)
+                errors.add_metric([family.name], 1)
+                continue
+            errors.add_metric([family.name], 0)
+            yield metric
+        yield errors
 
 
 # Only this project's families: the web process's own CPU and memory would say nothing
 # about the workers and bridges the numbers come from.
 registry = CollectorRegistry(auto_describe=False)
 registry.register(RedisCollector())
+registry.register(GaugeCollector())
 
 
 def metrics_render(accept: str = "") -> tuple[bytes, str]:
     """The exposition for an Accept header (text 0.0.4 unless the scraper asks for more).
 
-    Raises redis.RedisError when Redis is unreachable.
+    Raises redis.RedisError when the counters' Redis is unreachable; a gauge that cannot be
+    read is only left out (GaugeCollector).
     """
     encode, content_type = choose_encoder(accept)
     return encode(registry), content_type

@@ -27,6 +27,7 @@ class JobsConfig(AppConfig):
             cancel,  # noqa: F401  (registers the `run` deadline's handler: max_duration)
             canvas,
             engine,
+            gauges,
             metrics,
             replies,
             step_locks,
@@ -50,6 +51,8 @@ class JobsConfig(AppConfig):
         drop_sink_register(replies.dropped_summaries_record)
         # What the reply handlers and the engine decide about a message the bridge received.
         family_values_add(BRIDGE_MESSAGES, *metrics.BRIDGE_MESSAGE_KINDS)
+        # /metrics reports runs, steps, the fleet, stuck runs, the inbox and the beat lease as they stand.
+        gauges.gauges_register()
         device_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
         # A canvas command's run ending sends its Celery canvas on (jobs/canvas.py).
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")

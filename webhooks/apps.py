@@ -13,12 +13,15 @@ class WebhooksConfig(AppConfig):
         from django.core import checks
         from django.db.models.signals import post_delete, post_save
 
+        from iotqueue.metrics import gauge_register
         from jobs.events import lifecycle_events
 
-        from . import addresses, outbox
+        from . import addresses, metrics, outbox
         from .models import Webhook
 
         checks.register(addresses.allowed_networks_check, "webhooks")
+        # /metrics counts the webhooks their failing deliveries disabled (webhooks/metrics.py).
+        gauge_register(metrics.WEBHOOKS_DISABLED, metrics.webhooks_disabled_read)
         lifecycle_events.connect(outbox.lifecycle_events_received, dispatch_uid="webhooks.lifecycle_events")
         for signal in (post_save, post_delete):
             signal.connect(outbox.webhooks_changed, sender=Webhook, dispatch_uid=f"webhooks.changed.{signal}")
