@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install messages run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
+.PHONY: install messages alerts-test run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
 
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
 $(RUN_STAMP): requirements.txt requirements-run.txt
@@ -107,3 +107,8 @@ messages: install
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache
+## Check deploy/prometheus/alerts.yml and run its tests with promtool (installs Debian's
+## prometheus package as root if promtool is missing).
+alerts-test: install
+	$(BIN)/python -m devtools.promtool
+
