@@ -105,10 +105,10 @@ messages: install
 	$(BIN)/python -m devtools.messages
 	$(BIN)/python -m iotqueue.catalogue check || true
 
-clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache
 ## Check deploy/prometheus/alerts.yml and run its tests with promtool (installs Debian's
 ## prometheus package as root if promtool is missing).
 alerts-test: install
 	$(BIN)/python -m devtools.promtool
 
+clean:
+	rm -rf $(VENV) var .pytest_cache .ruff_cache

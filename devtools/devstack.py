@@ -179,9 +179,13 @@ def _environment_prepare() -> None:
 
 def _children_start(supervisor: Supervisor, web_port: int) -> None:
     # Logs are appended across runs: readiness is what this run's children write.
-    names = ("worker", "beat", "bridge", "web", "simulator")
+    names = ("worker", "worker-io", "beat", "bridge", "web", "simulator")
     offsets = {name: supervisor.log_size(name) for name in names}
     supervisor.start("worker", worker_argv(concurrency=2), restart=True)
+    # Webhook deliveries and mail on their own queue and worker (docs/operations.md#queues).
+    io_queue = os.environ.get("IOTQUEUE_IO_QUEUE", "iotqueue-io")
+    io_argv = [*worker_argv(concurrency=1, hostname="io"), f"--queues={io_queue}"]
+    supervisor.start("worker-io", io_argv, restart=True)
     supervisor.start("beat", beat_argv(STATE_DIR), restart=True)
     supervisor.start("bridge", manage_argv("bridge"), restart=True)
     supervisor.start("web", manage_argv("runserver", f"127.0.0.1:{web_port}", "--noreload"), restart=True)
@@ -199,6 +203,7 @@ def _children_start(supervisor: Supervisor, web_port: int) -> None:
     )
     ready = {
         "worker": r"@\S+ ready\.",
+        "worker-io": r"@\S+ ready\.",
         "bridge": r"bridge: connected",
         "web": r"Quit the server|Starting development server",
         "simulator": r"simulate: \d+ devices online",

@@ -4,6 +4,7 @@ import os
 
 from celery import Celery
 from celery.signals import task_prerun, worker_process_init, worker_process_shutdown, worker_ready
+from django.conf import settings
 
 from . import kombu_fix
 from .gcfreeze import startup_objects_freeze
@@ -47,3 +48,11 @@ def _database_connection_check(**kwargs) -> None:
     from django.db import close_old_connections
 
     close_old_connections()
+
+
+def io_route(name, args, kwargs, options, task=None, **kw) -> dict | None:
+    """Celery router (CELERY_TASK_ROUTES): the tasks that wait on HTTP or SMTP go to the io
+    queue (IOTQUEUE_IO_QUEUE), every other task to the default (engine) queue."""
+    if name in settings.IOTQUEUE_IO_TASKS:
+        return {"queue": settings.IOTQUEUE_IO_QUEUE}
+    return None

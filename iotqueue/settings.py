@@ -349,6 +349,15 @@ CELERY_RESULT_BACKEND = env("CELERY_RESULT_BACKEND", default=REDIS_URL)
 CELERY_TASK_IGNORE_RESULT = True
 # Tests give each session its own queue so a shared Redis never mixes their tasks.
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="celery")
+# Tasks that wait on the outside world (a webhook's HTTP call, SMTP) go to their own queue,
+# consumed by their own worker (`celery -A iotqueue worker -Q iotqueue-io`), so the engine's
+# tasks never wait behind them (iotqueue/celery.py io_route; docs/operations.md#queues).
+IOTQUEUE_IO_QUEUE = env("IOTQUEUE_IO_QUEUE", default="iotqueue-io")
+IOTQUEUE_IO_TASKS = ("webhooks.deliver", "webhooks.failed_run_mail")
+CELERY_TASK_ROUTES = ("iotqueue.celery.io_route",)
+# Task events on, so `celery events` and Flower show what runs (docs/operations.md#celerys-own-tools).
+CELERY_WORKER_SEND_TASK_EVENTS = env.bool("IOTQUEUE_CELERY_EVENTS", default=True)
+CELERY_TASK_SEND_SENT_EVENT = CELERY_WORKER_SEND_TASK_EVENTS
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # Task modules beyond the apps' tasks.py, comma-separated: imported by the worker, and by the

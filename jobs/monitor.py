@@ -56,7 +56,9 @@ def monitor_tick() -> dict[str, int]:
     # One task per chunk, not per deadline: enqueueing is most of a tick's cost.
     for start in range(0, len(due), DEADLINES_PER_TASK):
         chunk = [d.member for d in due[start : start + DEADLINES_PER_TASK]]
-        current_app.signature(DEADLINES_TASK, args=(chunk,)).delay()
+        current_app.signature(DEADLINES_TASK, args=(chunk,)).apply_async(
+            argsrepr=f"batch={len(chunk)}, {chunk!r}"
+        )
     swept = 0
     interval = settings.IOTQUEUE_RECONCILE_SECONDS
     if redis_connection().set(redis_key("reconcile"), "1", nx=True, px=int(interval * 1000)):
@@ -106,7 +108,7 @@ def reconcile() -> int:
         )[:CLAIM_BATCH]
     )
     for run_id in unstarted:
-        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
+        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")
     # A fan-out with rows still at work is not stalled: the next row to end moves it on.
     at_work = StepRun.objects.filter(
         run=OuterRef("run"), phase=OuterRef("phase"), index=OuterRef("index"), status__in=STEP_AT_WORK
@@ -144,7 +146,7 @@ def reconcile() -> int:
         .values_list("pk", flat=True)[:CLAIM_BATCH]
     )
     for run_id in cursorless:
-        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).delay()
+        current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
     if overdue or unstarted or moved or expired:

@@ -102,6 +102,7 @@ def services(tmp_path_factory) -> Iterator[Services]:
     settings.IOTQUEUE_REDIS_KEY_PREFIX = namespace
     celery_app.conf.broker_url = celery_app.conf.result_backend = redis_url
     celery_app.conf.task_default_queue = namespace
+    settings.IOTQUEUE_IO_QUEUE = f"{namespace}-io"
     redis_connection.cache_clear()
     publisher.close()
     control.close()
@@ -198,7 +199,16 @@ class Stack:
         self.supervisor.wait_for_log(name, READY[name], since=offset)
 
 
-READY = {"worker": r"@\S+ ready\.", "bridge": r"bridge: connected", "beat": r"beat: Starting"}
+def io_worker_argv(queue: str, concurrency: int = 1) -> list[str]:
+    return [*worker_argv(concurrency=concurrency, hostname="io"), f"--queues={queue}"]
+
+
+READY = {
+    "worker": r"@\S+ ready\.",
+    "worker-io": r"@\S+ ready\.",
+    "bridge": r"bridge: connected",
+    "beat": r"beat: Starting",
+}
 
 
 @pytest.fixture(scope="session")
@@ -217,6 +227,7 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             "IOTQUEUE_TOPIC_PREFIX": services.namespace,
             "IOTQUEUE_REDIS_KEY_PREFIX": services.namespace,
             "CELERY_TASK_DEFAULT_QUEUE": services.namespace,
+            "IOTQUEUE_IO_QUEUE": f"{services.namespace}-io",
             # Timeouts in tests are a second or two; a faster tick keeps the suite quick.
             "IOTQUEUE_MONITOR_INTERVAL": "0.5",
             # Rescue of lost work within seconds, not the production half-minute.
@@ -235,6 +246,8 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
         # Test-only tasks (tests/devices/lock_tasks.py) never ship in the app's own modules.
         test_tasks = ["tests.devices.lock_tasks", "tests.jobs.canvas_tasks", "tests.jobs.step_tasks"]
         supervisor.start("worker", worker_argv(concurrency=2, include=test_tasks))
+        # Webhook deliveries and mail: their own queue and worker, as in production.
+        supervisor.start("worker-io", io_worker_argv(f"{services.namespace}-io"))
         supervisor.start("bridge", manage_argv("bridge"))
         # A file-based schedule: the database one would be flushed between tests.
         # Leased (iotqueue/beat_lease.py) like production's, on this session's key prefix.

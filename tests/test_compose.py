@@ -25,7 +25,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = BASE_DIR / "docker-compose.yml"
 DOCKERFILE = BASE_DIR / "Dockerfile"
 INFRA_SERVICES = ("postgres", "redis", "mosquitto")
-APP_SERVICES = ("migrate", "mosquitto-init", "web", "worker", "beat", "bridge", "simulator")
+APP_SERVICES = ("migrate", "mosquitto-init", "web", "worker", "worker-io", "beat", "bridge", "simulator")
 # One-shot app services: each runs before what needs it, and waits for nothing it does not need.
 ONE_SHOTS = ("migrate", "mosquitto-init")
 # Compose refuses to start without these (`${VAR:?message}`): there is no default secret.
@@ -331,7 +331,15 @@ def test_worker_and_beat_each_run_once_as_a_service():
         command_argv(service) for service in compose_load()["services"].values() if "command" in service
     ]
     subcommands = [argv[3] for argv in commands if argv[0] == "celery"]
-    assert sorted(subcommands) == ["beat", "worker"]
+    assert sorted(subcommands) == ["beat", "worker", "worker"]
+    # one worker for the engine's (default) queue, one for the io queue only (webhooks, mail)
+    queues = sorted(
+        next((arg.split("=", 1)[-1] for arg in argv if arg.startswith("--queues")), "")
+        or (argv[argv.index("-Q") + 1] if "-Q" in argv else "")
+        for argv in commands
+        if argv[0] == "celery" and argv[3] == "worker"
+    )
+    assert queues == ["", settings.IOTQUEUE_IO_QUEUE]
     # several beats may run (one schedules, iotqueue/beat_lease.py), but compose needs only one
     assert settings.CELERY_BEAT_SCHEDULER == "iotqueue.beat_lease:LeasedDatabaseScheduler"
 

@@ -67,7 +67,12 @@ def task_send(*, step_run: StepRun) -> bool:
     try:
         current_app.signature(
             TASK_STEP_RUN_TASK, kwargs={"step_run_id": step_run.pk, "command_id": step_run.command_id}
-        ).apply_async(soft_time_limit=timeout, time_limit=timeout + TIME_LIMIT_GRACE_SECONDS)
+        ).apply_async(
+            soft_time_limit=timeout,
+            time_limit=timeout + TIME_LIMIT_GRACE_SECONDS,
+            # What Celery's tools (events, Flower) show instead of the ids: the run it belongs to.
+            kwargsrepr=f"runs=[{step_run.run_id}], step={step_run.index}, task={step_run.action}",
+        )
     except (OperationalError, RedisError) as exc:
         event_record("step.publish_failed", step_run=step_run, message=f"task {step_run.action}: {exc}")
         return False
