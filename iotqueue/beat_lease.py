@@ -18,6 +18,9 @@ Celery's beat loop sleeps as long as `tick()` says, so a holder's tick never ask
 than the time to its next renewal, and a standby's returns a short poll interval and sends
 nothing. `LeasedDatabaseScheduler` (production: schedules edited in the admin) and
 `LeasedPersistentScheduler` (a file, for the tests and the dev stack) are the two wirings.
+
+Every beat, holder or standby, records its last tick in `<prefix>:beat:tick:<host>` (owner,
+holding, wall-clock time), which `manage.py healthcheck beat` reads (iotqueue/health.py).
 """
 
 from __future__ import annotations
@@ -58,10 +61,20 @@ end
 return 0
 """
 
+# A beat's last tick (TickRecorder): owner, holding, wall-clock time, and an expiry, in one
+# round trip.
+TICK_LUA = """
+redis.call('hset', KEYS[1], 'owner', ARGV[1], 'holding', ARGV[2], 'at', ARGV[3])
+return redis.call('expire', KEYS[1], ARGV[4])
+"""
+
 # A renewal is sent every third of the lease: two renewals may fail before it lapses.
 RENEWALS_PER_LEASE = 3
 # A standby tries to take the lease this often (or every third of a lease shorter than 3 s).
 STANDBY_POLL_SECONDS = 1.0
+# A beat records its last tick (for `manage.py healthcheck beat`) at most this often: a
+# holder may tick many times a second, and one Redis write a second says enough.
+TICK_RECORD_SECONDS = 1.0
 
 
 def owner_token() -> str:
@@ -215,6 +228,45 @@ class LeaseGate:
             log.warning("beat: could not release the lease (it expires by itself): %s", exc)
 
 
+def beat_tick_key(host: str) -> str:
+    """Where the beat on `host` records its last tick: one beat per host (container, pod)."""
+    return redis_key("beat", "tick", host)
+
+
+def beat_tick_read(host: str) -> dict[str, str]:
+    """The last tick the beat on `host` recorded: owner, holding ("1"/"0"), at (wall clock);
+    {} when none. Raises RedisError."""
+    return redis_connection().hgetall(beat_tick_key(host))
+
+
+class TickRecorder:
+    """Records a beat's ticks in Redis (at most every TICK_RECORD_SECONDS), for its health check.
+
+    How it fails: a Redis error is swallowed (the lease gate already says Redis is gone);
+    the record then ages, which is what the health check reports. It expires after a few
+    lease lengths, so a beat gone for good leaves none.
+    """
+
+    def __init__(self, gate: LeaseGate, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.gate = gate
+        self.clock = clock
+        self.key = beat_tick_key(socket.gethostname())
+        self._record = gate.lease.client.register_script(TICK_LUA)
+        self._next = 0.0
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now < self._next:
+            return
+        self._next = now + TICK_RECORD_SECONDS
+        lease = self.gate.lease
+        expiry = max(1, math.ceil(3 * lease.seconds))
+        try:
+            self._record(keys=[self.key], args=[lease.owner, int(self.gate.holding), time.time(), expiry])
+        except redis.RedisError:
+            pass
+
+
 def lease_gate() -> LeaseGate:
     """The gate of this process's beat, on the project's Redis and key prefix."""
     lease = Lease(
@@ -235,12 +287,15 @@ class LeasedSchedulerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.lease_gate = lease_gate()
+        self.tick_recorder = TickRecorder(self.lease_gate)
         super().__init__(*args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         gate = self.lease_gate
         was_holding = gate.holding
-        if not gate.check():
+        allowed = gate.check()
+        self.tick_recorder.tick()
+        if not allowed:
             if was_holding:
                 self.lease_lost()
             return gate.standby_seconds

@@ -44,6 +44,7 @@ from django.db import close_old_connections
 
 from .batching import batchers_flush
 from .budget import MessageBudget, drop_summaries_report, drop_tally, message_drop_note
+from .health import MESSAGE_STATS, BridgeHeartbeat
 from .metrics import COUNTER, Family, counter_buffer, family_declare
 from .mqtt import client_connect, client_create
 from .topics import filters_overlap, topic_filter_error
@@ -475,6 +476,9 @@ class Bridge:
         client_connect(self.client)
         watchdog = threading.Thread(target=self._watch, name="bridge-watchdog", daemon=True)
         watchdog.start()
+        # Liveness for `manage.py healthcheck bridge` (iotqueue/health.py), off the message path.
+        heartbeat = BridgeHeartbeat(bridge_client_id(), self._health_state, log)
+        heartbeat.start()
         refreshed = time.monotonic()
         try:
             while not self._stop.is_set():
@@ -486,6 +490,7 @@ class Bridge:
                     self.budget.idle_forget()
                     counter_buffer.flush()  # message counts of a quiet spell reach /metrics too
         finally:
+            heartbeat.stop()
             # Replies grouped but not handed off yet: hand them off and acknowledge them
             # while still connected (what fails now is delivered again next time).
             batchers_flush()
@@ -495,6 +500,12 @@ class Bridge:
             close_old_connections()
             counter_buffer.flush()
             self._finished.set()
+
+    def _health_state(self) -> tuple[bool, bool, int]:
+        """(connected, paho's network thread alive, messages received so far), for the heartbeat."""
+        thread = self._network_thread
+        messages = sum(self.stats.get(name, 0) for name in MESSAGE_STATS)
+        return self.connected.is_set(), thread is None or thread.is_alive(), messages
 
     def _watch(self) -> None:
         """The watchdog: exit for a restart once paho's network thread is gone.

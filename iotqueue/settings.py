@@ -127,6 +127,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: /healthz and /readyz are answered before the HTTPS redirect and the host check
+    # (iotqueue/probes.py), so a load balancer or kubelet can probe the pod's own address.
+    "iotqueue.probes.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Static files (the admin's CSS and JavaScript, the live run view) from gunicorn itself,
     # after `collectstatic` (the image runs it); runserver serves them in development.
