@@ -41,6 +41,11 @@ RUN mkdir -p /app/var && chown iotqueue:iotqueue /app/var
 USER iotqueue
 
 EXPOSE 8000
+# The web's liveness (/healthz, no dependency; iotqueue/probes.py). The image has no curl, so
+# Python's urllib asks. The worker, beat and bridge run this image too: their services replace
+# it with `python manage.py healthcheck worker|beat|bridge` (docker-compose.yml).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
 CMD ["gunicorn", "iotqueue.wsgi:application", "--bind", "0.0.0.0:8000"]
 
 # Development tooling on top of the runtime image, for the simulator service only: the

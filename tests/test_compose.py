@@ -196,6 +196,61 @@ def test_postgres_and_redis_have_healthchecks():
         assert services[name]["healthcheck"]["test"], name
 
 
+# Services without a health check of their own: the one-shots (they exit) and the demo's
+# simulator have none to give; the broker's clients reconnect by themselves, and its probe
+# would need the service user's password inside the broker's container.
+NO_HEALTHCHECK = (*ONE_SHOTS, "simulator", "mosquitto")
+# The processes `manage.py healthcheck` judges, by the program each service runs.
+HEALTHCHECK_PROCESSES = ("worker", "beat", "bridge")
+
+
+def _healthcheck_process(argv: list[str]) -> str:
+    """What `manage.py healthcheck` must be told for a service's command: worker, beat or bridge."""
+    return argv[3] if argv[0] == "celery" else argv[2]
+
+
+@pytest.mark.parametrize("name", [name for name in APP_SERVICES if name not in NO_HEALTHCHECK])
+def test_every_long_running_app_service_has_its_own_healthcheck(name):
+    # given a long-running app service and the process its command starts
+    service = compose_load()["services"][name]
+    argv = command_argv(service)
+    test = [str(part) for part in service["healthcheck"]["test"]]
+
+    # then the web asks its readiness endpoint, every other process runs its healthcheck command
+    if argv[0] == "gunicorn":
+        assert test[:3] == ["CMD", "python", "-c"] and "/readyz" in test[3]
+    else:
+        process = _healthcheck_process(argv)
+        assert process in HEALTHCHECK_PROCESSES, name
+        assert test == ["CMD", "python", "manage.py", "healthcheck", process]
+        assert "healthcheck" in get_commands()
+    assert not service["healthcheck"].get("disable")
+
+
+def test_services_without_a_healthcheck_are_the_known_ones():
+    # given every service
+    services = compose_load()["services"]
+
+    # then those with no test are the one-shots, the simulator and the broker, and the app's
+    # among them switch off the image's web HEALTHCHECK rather than run it
+    untested = {name for name, service in services.items() if not service.get("healthcheck", {}).get("test")}
+    assert untested == set(NO_HEALTHCHECK)
+    for name in NO_HEALTHCHECK:
+        if name in APP_SERVICES:
+            assert services[name]["healthcheck"] == {"disable": True}, name
+
+
+def test_the_image_checks_the_webs_liveness():
+    # given the runtime image's lines
+    _, lines = image_build(RUNTIME_TARGET)
+
+    # then its HEALTHCHECK asks /healthz (no dependency) with Python, which the image has
+    [healthcheck] = [line for line in lines if line.startswith("HEALTHCHECK ")]
+    assert "--timeout=" in healthcheck
+    command = next(line for line in lines[lines.index(healthcheck) :] if "/healthz" in line)
+    assert command.startswith("CMD") and "python" in command and "http://127.0.0.1:8000/healthz" in command
+
+
 def test_compose_refuses_to_start_without_the_secrets():
     # given the compose file as written
     text = COMPOSE_FILE.read_text()
