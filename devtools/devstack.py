@@ -119,7 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         from django.core.management import CommandError, call_command
 
         django.setup()
+        from iotqueue.startup import StartupError, startup_check
+
         from .demo import demo_seed
+
+        try:
+            # The database is migrated just below; Redis and the broker (and its plugin) first,
+            # so a wrong MQTT_URL or REDIS_URL fails in one line, not after a timeout.
+            startup_check(("redis", "mqtt"))
+        except StartupError as exc:
+            print(f"devstack: {exc}", file=sys.stderr)
+            return 1
 
         # The progress display says what happens; the timeline's log lines would drown it.
         logging.getLogger("jobs.timeline").setLevel(logging.WARNING)

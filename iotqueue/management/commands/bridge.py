@@ -2,11 +2,13 @@
 
 import logging
 import signal
+import sys
 
 from django.core.management.base import BaseCommand
 
 from iotqueue.bridge import Bridge
 from iotqueue.gcfreeze import startup_objects_freeze
+from iotqueue.startup import StartupError, startup_check
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,13 @@ class Command(BaseCommand):
     requires_system_checks = []
 
     def handle(self, *args, **options):
+        try:
+            # Migrations (~2 MiB of migration modules loaded), Redis, the broker and its plugin.
+            startup_check()
+        except StartupError as exc:
+            # One line, no traceback: what is wrong and what to do (docs/operations.md).
+            sys.stderr.write(f"bridge: {exc}\n")
+            raise SystemExit(1) from None
         bridge = Bridge()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: bridge.stop())
