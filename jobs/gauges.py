@@ -3,7 +3,8 @@
 Counters say what happened (jobs/metrics.py); these say how things stand now: runs not yet
 ended by status, steps at work by status, the fleet by state (the console's fleet board),
 stuck runs (the console's definition, IOTQUEUE_STUCK_AFTER_SECONDS), the engine's inbox
-(entries waiting and the age of the oldest) and whether a beat holds the scheduling lease.
+(entries waiting and the age of the oldest), how long ago each bridge last heard a message
+and whether a beat holds the scheduling lease.
 Registered with their readers when the app loads (jobs/apps.py, `gauges_register`).
 
 Each reader is one indexed aggregate or one Redis round trip, whatever the history holds:
@@ -24,6 +25,7 @@ from django.utils import timezone
 
 from devices.models import Device
 from iotqueue.beat_lease import Lease
+from iotqueue.health import bridge_heartbeat_key
 from iotqueue.metrics import GAUGE, Family, gauge_register
 from iotqueue.redis_conn import redis_connection, redis_key
 
@@ -70,6 +72,13 @@ INBOX_OLDEST_AGE = Family(
     "iotqueue_inbox_oldest_age_seconds",
     "Age of the oldest entry in the engine's inbox not yet applied; 0 when the inbox is empty.",
     GAUGE,
+)
+BRIDGE_LAST_MESSAGE_AGE = Family(
+    "iotqueue_bridge_last_message_age_seconds",
+    "Seconds since each running bridge (by MQTT client id) last received a message of any kind: replies, "
+    "status, heartbeats. A bridge that has received none since it started is not listed.",
+    GAUGE,
+    ("bridge",),
 )
 BEAT_LEASE_HELD = Family(
     "iotqueue_beat_lease_held",
@@ -150,6 +159,24 @@ def inbox_oldest_age_read() -> dict[tuple[str, ...], float]:
     return {(): _inbox_read()[1]}
 
 
+def bridge_last_message_age_read() -> dict[tuple[str, ...], float]:
+    """From the heartbeat each running bridge writes every few seconds (iotqueue/health.py):
+    one SCAN over the few heartbeat keys (they expire when a bridge stops) and one pipeline."""
+    conn = redis_connection()
+    prefix = bridge_heartbeat_key("")
+    keys = sorted(conn.scan_iter(match=f"{prefix}*", count=100))
+    with conn.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.hget(key, "last_message")
+        lasts = pipe.execute()
+    now = time.time()
+    return {
+        (key[len(prefix) :],): max(0.0, now - float(last))
+        for key, last in zip(keys, lasts, strict=True)
+        if last and float(last) > 0
+    }
+
+
 def beat_lease_held_read() -> dict[tuple[str, ...], int]:
     """Whether the beat lease key (iotqueue/beat_lease.py `lease_gate`) names a holder."""
     lease = Lease(
@@ -165,6 +192,7 @@ GAUGES = (
     (RUNS_STUCK, runs_stuck_read),
     (INBOX_ENTRIES, inbox_entries_read),
     (INBOX_OLDEST_AGE, inbox_oldest_age_read),
+    (BRIDGE_LAST_MESSAGE_AGE, bridge_last_message_age_read),
     (BEAT_LEASE_HELD, beat_lease_held_read),
 )
 

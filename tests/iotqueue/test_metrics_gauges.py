@@ -16,6 +16,7 @@ from jobs.models import StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
+from tests.mqtt_device import mqtt_client
 from webhooks.models import Webhook
 
 TOKEN = "scrape-token-for-gauge-tests"
@@ -66,6 +67,36 @@ def test_a_run_blocked_on_an_offline_device_shows_as_running_stuck_and_offline(s
         assert value(after, "iotqueue_gauge_read_errors", gauge=name) == 0, name
 
 
+def bridge_ages(samples: Samples) -> dict[str, float]:
+    name = "iotqueue_bridge_last_message_age_seconds"
+    return {dict(labels)["bridge"]: v for (sample, labels), v in samples.items() if sample == name}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_bridge_reports_when_it_last_heard_a_message(stack, services, settings):
+    settings.IOTQUEUE_METRICS_TOKEN = TOKEN
+    client = Client()
+    # given a device's heartbeat published to the broker
+    device = DeviceFactory()
+    publisher = mqtt_client(services.mqtt_url)
+    try:
+        publisher.publish(f"{services.namespace}/{device.name}/heartbeat", b"{}", qos=1).wait_for_publish(5)
+    finally:
+        publisher.loop_stop()
+        publisher.disconnect()
+
+    # then the bridge's heartbeat notes it, and /metrics shows a bridge that heard it moments ago
+    ages = wait_for(
+        lambda: {b: age for b, age in bridge_ages(scrape(client)).items() if age < 10},
+        what="a bridge that heard the heartbeat",
+    )
+    assert ages
+    assert (
+        value(scrape(client), "iotqueue_gauge_read_errors", gauge="iotqueue_bridge_last_message_age_seconds")
+        == 0
+    )
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_webhook_disabled_by_its_failures_is_counted_one_switched_off_is_not(stack, settings):
     settings.IOTQUEUE_METRICS_TOKEN = TOKEN
@@ -93,8 +124,14 @@ def test_gauges_whose_redis_is_away_are_left_out_and_the_scrape_still_answers(
     with caplog.at_level(logging.WARNING, logger="iotqueue.metrics"):
         samples = scrape(Client())
 
-    # then the inbox and beat lease gauges are left out and said so, the rest are there
-    for name in ("iotqueue_inbox_entries", "iotqueue_inbox_oldest_age_seconds", "iotqueue_beat_lease_held"):
+    # then the inbox, bridge and beat lease gauges are left out and said so, the rest are there
+    assert bridge_ages(samples) == {}
+    for name in (
+        "iotqueue_inbox_entries",
+        "iotqueue_inbox_oldest_age_seconds",
+        "iotqueue_bridge_last_message_age_seconds",
+        "iotqueue_beat_lease_held",
+    ):
         assert value(samples, name) is None, name
         assert value(samples, "iotqueue_gauge_read_errors", gauge=name) == 1, name
     assert value(samples, "iotqueue_gauge_read_errors", gauge="iotqueue_runs_stuck") == 0
