@@ -167,7 +167,9 @@ def run_ended(sender, event, **kwargs) -> None:
     if run is None or run.trigger != Trigger.CANVAS:
         return
     run_id = str(run.pk)
-    transaction.on_commit(lambda: current_app.signature(RESUME_TASK, args=(run_id,)).delay())
+    transaction.on_commit(
+        lambda: current_app.signature(RESUME_TASK, args=(run_id,)).apply_async(argsrepr=f"runs=[{run_id}]")
+    )
 
 
 def canvas_resume(run_id: str) -> bool:

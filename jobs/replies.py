@@ -94,7 +94,7 @@ def jobs_get_handle(topic: str, payload: bytes) -> None:
         message_dropped(device, topic, payload, why)
         return
     counter_buffer.add(BRIDGE_MESSAGES, "accepted")
-    current_app.signature(JOBS_GET_TASK, args=(device,)).delay()
+    current_app.signature(JOBS_GET_TASK, args=(device,)).apply_async(argsrepr=f"devices=[{device}]")
 
 
 def message_dropped(device: str, topic: str, payload: bytes, why: str) -> None:

@@ -394,7 +394,7 @@ def test_worker_and_beat_each_run_once_as_a_service():
         for argv in commands
         if argv[0] == "celery" and argv[3] == "worker"
     )
-    assert queues == ["", settings.IOTQUEUE_IO_QUEUE]
+    assert queues == ["", "iotqueue-io"]  # IOTQUEUE_IO_QUEUE's default (the suite sets its own)
     # several beats may run (one schedules, iotqueue/beat_lease.py), but compose needs only one
     assert settings.CELERY_BEAT_SCHEDULER == "iotqueue.beat_lease:LeasedDatabaseScheduler"
 
