@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install messages alerts-test run test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
+.PHONY: install messages alerts-test run flower test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
 
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
 $(RUN_STAMP): requirements.txt requirements-run.txt
@@ -32,6 +32,12 @@ install: $(STAMP) $(CATALOGUES)
 ## Installs only what running needs (no test tools): `make test` adds those.
 run: $(RUN_STAMP) $(CATALOGUES)
 	$(BIN)/python -m devtools.devstack
+
+## Flower, Celery's web monitor, on http://127.0.0.1:5555 against REDIS_URL's broker (with
+## `make run`, paste its `export` line first). Optional: installs requirements-flower.txt.
+flower: install
+	$(BIN)/python -m pip install --quiet -r requirements-flower.txt
+	$(BIN)/celery -A iotqueue flower --address=127.0.0.1 --port=5555
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
 ## first installs GNU gettext when missing (as root): the catalogue test extracts with it.
