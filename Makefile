@@ -40,14 +40,17 @@ flower: install
 	$(BIN)/celery -A iotqueue flower --address=127.0.0.1 --port=5555
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
-## first installs GNU gettext when missing (as root): the catalogue test extracts with it.
+## first installs GNU gettext and promtool when missing (as root): the catalogue test extracts
+## with xgettext, the alert rules' test runs promtool.
 test: install
 	$(BIN)/python -m devtools.messages install
+	$(BIN)/python -m devtools.promtool install
 	$(BIN)/python -m pytest
 
 ## The unit tier alone (tests/unit/): logic module by module, no server started or reached.
 test-fast: install
 	$(BIN)/python -m devtools.messages install
+	$(BIN)/python -m devtools.promtool install
 	$(BIN)/python -m pytest -m "not stack" tests/unit
 
 ## The API against its own schema, widely: schemathesis with every check and the examples,

@@ -5,7 +5,7 @@ runs deploy/prometheus/alerts_test.yml: for each rule, sample series that make i
 series that do not. promtool comes with Debian's `prometheus` package, which a fresh
 machine may lack: `python -m devtools.promtool install` installs it when running as root
 and says what to run otherwise; `python -m devtools.promtool` installs it if needed and runs
-both checks. .ci/run installs it before the unit tier, so tests/unit/test_alert_rules.py
+both checks. `make test` and `make test-fast` install it first, so tests/unit/test_alert_rules.py
 runs the checks there. docs/operations.md, "Alert rules".
 """
 

@@ -2,7 +2,7 @@
 
 promtool checks the file and runs alerts_test.yml (each rule against series that make it fire
 and series that do not); without promtool the test fails with the command that installs it
-(.ci/run installs it before this tier). Every metric an expression names must be one /metrics
+(`make test` and `make test-fast` install it first). Every metric an expression names must be one /metrics
 exports, with the labels it filters on: a renamed family would otherwise leave an alert that
 can never fire.
 """
