@@ -17,7 +17,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Mapping
@@ -29,6 +28,9 @@ from .servers import EmbeddedServer, free_port, mqtt_broker_start, redis_start
 STATE_DIR = BASE_DIR / "var" / "devstack"
 # The web server's usual port; a free one is taken when something else listens there.
 WEB_PORT = 8000
+# Ports the web server tries in turn, each found taken when it bound (two stacks starting
+# at once race for free ports too, rarely twice in a row).
+WEB_PORT_ATTEMPTS = 5
 # How long children get to report ready; cold Python imports on a busy laptop are slow.
 READY_TIMEOUT_SECONDS = 60.0
 # The demo's superuser (devtools/demo.py demo_seed): development only, refused without DEBUG.
@@ -36,6 +38,8 @@ ADMIN_LOGIN = ("admin", "admin")
 # What another shell needs to reach the same servers and database (the CLI, `manage.py ...`).
 CLI_VARIABLES = ("REDIS_URL", "MQTT_URL", "IOTQUEUE_MQTT_AUTH", "DATABASE_URL", "DEBUG")
 RULE = "-" * 78
+# What runserver says when its port is taken (it exits with status 1 then).
+PORT_TAKEN = "That port is already in use"
 
 
 def access_block(*, web_url: str, api_token: str, metrics_token: str, environment: Mapping[str, str]) -> str:
@@ -61,11 +65,6 @@ def access_block(*, web_url: str, api_token: str, metrics_token: str, environmen
             RULE,
         ]
     )
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _webhook_receiver_start() -> str:
@@ -139,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         # Every run event of the demo is delivered to a receiver in this process.
         call_command("webhook_demo", url=_webhook_receiver_start(), stdout=io.StringIO())
         print("  database migrated, demo devices and templates ready")
-        web_port = WEB_PORT if _port_free(WEB_PORT) else free_port()
         with Supervisor(STATE_DIR / "logs", dict(os.environ)) as supervisor:
-            _children_start(supervisor, web_port)
+            web_port = _children_start(supervisor)
             block = access_block(
                 web_url=f"http://127.0.0.1:{web_port}",
                 api_token=token,
@@ -187,7 +185,35 @@ def _environment_prepare() -> None:
     os.environ.setdefault("IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS", "127.0.0.1/32")
 
 
-def _children_start(supervisor: Supervisor, web_port: int) -> None:
+def _web_start(supervisor: Supervisor) -> int:
+    """Start the web server on WEB_PORT, or on a free port when that one is taken; its port.
+
+    runserver binds, then logs "Starting development server at <url>"; when another process
+    holds the port (another stack starting at the same moment) it exits with "That port is
+    already in use", and the next free port is tried. There is no window between a check
+    and the bind: the bind itself is the check.
+    """
+    port = WEB_PORT
+    for _ in range(WEB_PORT_ATTEMPTS):
+        since = supervisor.log_size("web")
+        argv = manage_argv("runserver", f"127.0.0.1:{port}", "--noreload")
+        supervisor.start("web", argv, restart=True)
+        bound = rf"Starting development server at http://127\.0\.0\.1:{port}/"
+        try:
+            supervisor.wait_for_log(
+                "web", rf"{bound}|{PORT_TAKEN}", timeout=READY_TIMEOUT_SECONDS, since=since
+            )
+        except RuntimeError:  # it exited: for a taken port, it said so first
+            pass
+        if PORT_TAKEN not in supervisor.children["web"].log_text()[since:]:
+            return port
+        supervisor.stop("web")
+        port = free_port()
+    raise RuntimeError(f"web: no free port after {WEB_PORT_ATTEMPTS} attempts")
+
+
+def _children_start(supervisor: Supervisor) -> int:
+    """Start every child and wait until each is ready; returns the web server's port."""
     # Logs are appended across runs: readiness is what this run's children write.
     names = ("worker", "worker-io", "beat", "bridge", "web", "simulator")
     offsets = {name: supervisor.log_size(name) for name in names}
@@ -198,7 +224,7 @@ def _children_start(supervisor: Supervisor, web_port: int) -> None:
     supervisor.start("worker-io", io_argv, restart=True)
     supervisor.start("beat", beat_argv(STATE_DIR), restart=True)
     supervisor.start("bridge", manage_argv("bridge"), restart=True)
-    supervisor.start("web", manage_argv("runserver", f"127.0.0.1:{web_port}", "--noreload"), restart=True)
+    web_port = _web_start(supervisor)
     supervisor.start(
         "simulator",
         manage_argv(
@@ -215,12 +241,12 @@ def _children_start(supervisor: Supervisor, web_port: int) -> None:
         "worker": r"@\S+ ready\.",
         "worker-io": r"@\S+ ready\.",
         "bridge": r"bridge: connected",
-        "web": r"Quit the server|Starting development server",
         "simulator": r"simulate: \d+ devices online",
     }
     for name, pattern in ready.items():
         supervisor.wait_for_log(name, pattern, timeout=READY_TIMEOUT_SECONDS, since=offsets[name])
     print(f"  {', '.join(names)} up (logs in {supervisor.log_dir})")
+    return web_port
 
 
 if __name__ == "__main__":

@@ -111,6 +111,8 @@ class Supervisor:
             child = self.children.get(name) or Child(
                 name, argv, {**self.env, **(extra_env or {})}, self.log_dir / f"{name}.log", restart=restart
             )
+            # Started again, it may be with other arguments (the web server on another port).
+            child.argv = argv
             self._spawn(child)
             self.children[name] = child
         if child.restart and self._watcher is None:
