@@ -138,3 +138,24 @@ def test_settings_import_on_a_read_only_file_system():
     # then they load, and ADMINS holds plain addresses (Django 6 drops the tuple form)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['ops@example.com', 'oncall@example.com']"
+
+
+def test_a_command_without_a_secret_key_fails_in_one_line():
+    # given DEBUG off and no SECRET_KEY, as a misconfigured production process starts
+    env = {name: value for name, value in os.environ.items() if name not in SETTINGS_ENV}
+    env["ALLOWED_HOSTS"] = "example.com"
+
+    # when a management command starts
+    result = subprocess.run(
+        [sys.executable, "manage.py", "bridge"],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    # then it exits 1 with one line naming what to set, and no traceback
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("manage.py: SECRET_KEY is not set")
