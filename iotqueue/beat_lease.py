@@ -21,6 +21,10 @@ nothing. `LeasedDatabaseScheduler` (production: schedules edited in the admin) a
 
 Every beat, holder or standby, records its last tick in `<prefix>:beat:tick:<host>` (owner,
 holding, wall-clock time), which `manage.py healthcheck beat` reads (iotqueue/health.py).
+
+`LeasedDatabaseScheduler.lease_taken` writes private state of django-celery-beat's
+DatabaseScheduler (and Celery's Scheduler `_heap`): the import checks that the installed
+versions are those it was written for (iotqueue/private_api.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django_celery_beat.schedulers import DatabaseScheduler
 
+from .private_api import private_api_check
 from .redis_conn import redis_connection, redis_key
 
 log = logging.getLogger(__name__)
@@ -338,6 +343,29 @@ def _whole_seconds(name: str, entry: Any) -> Any:
         "beat: %s every %ss: the database scheduler counts whole seconds; every %ss", name, seconds, whole
     )
     return {**entry, "schedule": float(whole)}
+
+
+# What LeasedDatabaseScheduler.lease_taken writes besides the public API.
+DATABASE_SCHEDULER_PRIVATE = (
+    "_dirty",
+    "_last_timestamp",
+    "_schedule",
+    "_last_full_sync",
+    "_heap",
+    "_heap_invalidated",
+)
+WRITTEN_FOR = ("django-celery-beat", "2.9.0")
+CELERY_WRITTEN_FOR = ("celery", "5.7.0")
+
+private_api_check(
+    WRITTEN_FOR,
+    owner=DatabaseScheduler,
+    attributes=DATABASE_SCHEDULER_PRIVATE,
+    where="iotqueue/beat_lease.py",
+)
+private_api_check(
+    CELERY_WRITTEN_FOR, owner=PersistentScheduler, attributes=("_heap",), where="iotqueue/beat_lease.py"
+)
 
 
 class LeasedDatabaseScheduler(LeasedSchedulerMixin, DatabaseScheduler):

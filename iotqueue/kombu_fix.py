@@ -8,10 +8,21 @@ as unrecoverable: the worker stops consuming and hangs. Here such a channel rais
 ConnectionError instead, which kombu and Celery handle as the connection error it is; the
 affected messages come back after the broker's visibility timeout (the engine's monitor
 rescues their steps sooner). Remove when kombu handles it.
+
+`_connparams` is private: the import checks that the installed kombu is the version this was
+written for (iotqueue/private_api.py).
 """
 
 import redis
 from kombu.transport import redis as kombu_redis
+
+from .private_api import private_api_check
+
+WRITTEN_FOR = ("kombu", "5.7.0")
+
+private_api_check(
+    WRITTEN_FOR, owner=kombu_redis.Channel, attributes=("_connparams",), where="iotqueue/kombu_fix.py"
+)
 
 _connparams = kombu_redis.Channel._connparams
 

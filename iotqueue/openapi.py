@@ -1,6 +1,9 @@
 """The OpenAPI schema as the server behaves: every operation's error answers with their
 bodies (an AutoSchema), and the rules and JSON types the serializers cannot state
 themselves (a postprocessing hook), so that clients generated from it need no hand edits.
+
+The AutoSchema overrides drf-spectacular's private `_get_response_bodies`: the import checks
+that the installed drf-spectacular is the version this was written for (iotqueue/private_api.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import ResolvedComponent
 from rest_framework import serializers
 from rest_framework.permissions import SAFE_METHODS
+
+from .private_api import private_api_check
+
+WRITTEN_FOR = ("drf-spectacular", "0.30.0")
+
+private_api_check(
+    WRITTEN_FOR, owner=AutoSchema, attributes=("_get_response_bodies",), where="iotqueue/openapi.py"
+)
 
 ERROR_COMPONENT = "Error"
 VALIDATION_ERROR_COMPONENT = "ValidationError"
