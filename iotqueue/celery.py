@@ -1,9 +1,17 @@
 """The Celery application; tasks are discovered in each app's tasks.py."""
 
 import os
+from functools import cached_property
 
 from celery import Celery
-from celery.signals import task_prerun, worker_process_init, worker_process_shutdown, worker_ready
+from celery.apps.beat import Beat
+from celery.signals import (
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+)
 from django.conf import settings
 
 from . import kombu_fix
@@ -13,9 +21,38 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "iotqueue.settings")
 
 kombu_fix.apply()
 
-app = Celery("iotqueue")
+
+class CheckedBeat(Beat):
+    """`celery beat` that checks the database and Redis first (iotqueue/startup.py; beat does
+    not use MQTT), failing in one line with exit status 1. Before the scheduler is made:
+    the database scheduler reads its tables as it is made, so the `beat_init` signal comes
+    too late for an unmigrated database."""
+
+    def start_scheduler(self) -> None:
+        from .startup import BEAT_CHECKS, startup_check_or_exit
+
+        startup_check_or_exit("beat", BEAT_CHECKS)
+        super().start_scheduler()
+
+
+class IotqueueCelery(Celery):
+    @cached_property
+    def Beat(self):
+        return self.subclass_with_self(CheckedBeat)
+
+
+app = IotqueueCelery("iotqueue")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@worker_init.connect
+def _worker_startup_check(**kwargs) -> None:
+    """Before the worker connects to anything: the database migrated, Redis and the MQTT
+    broker reachable, else one line and exit status 1 (iotqueue/startup.py)."""
+    from .startup import WORKER_CHECKS, startup_check_or_exit
+
+    startup_check_or_exit("worker", WORKER_CHECKS)
 
 
 @worker_process_init.connect

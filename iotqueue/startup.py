@@ -4,12 +4,14 @@ A process that starts against a broker without the dynamic security plugin, with
 broker credentials, an unreachable Redis or an unmigrated database used to die later, after
 a timeout, with a traceback. These checks run first, each bounded by a few seconds, and
 raise StartupError with one line that says what is wrong and what to do; the entry points
-(`manage.py bridge`, `make run`) print that line and exit with status 1.
+(`manage.py bridge`, `make run`, the Celery worker and beat through their `worker_init` and
+`beat_init` signals) print that line and exit with status 1.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import uuid
 from collections.abc import Iterable
@@ -128,10 +130,36 @@ def migrations_check(*, database: str = DEFAULT_DB_ALIAS) -> None:
         )
 
 
-CHECKS = {"mqtt": mqtt_check, "redis": redis_check, "migrations": migrations_check}
+def mqtt_connect_check() -> None:
+    """The broker accepts MQTT_URL's credentials; no dynamic security probe (a worker only
+    publishes, and its user need not administer the plugin)."""
+    mqtt_check(dynsec_probe=False)
+
+
+CHECKS = {
+    "mqtt": mqtt_check,
+    "mqtt_connect": mqtt_connect_check,
+    "redis": redis_check,
+    "migrations": migrations_check,
+}
+# What each Celery process checks at start (iotqueue/celery.py): a worker publishes commands
+# over MQTT; beat only needs the database (its schedule, the engine's tables) and Redis.
+WORKER_CHECKS = ("redis", "migrations", "mqtt_connect")
+BEAT_CHECKS = ("redis", "migrations")
 
 
 def startup_check(names: Iterable[str] = ("migrations", "redis", "mqtt")) -> None:
     """Run the named checks in order; the first that fails raises its StartupError."""
     for name in names:
         CHECKS[name]()
+
+
+def startup_check_or_exit(process: str, names: Iterable[str]) -> None:
+    """startup_check for an entry point: on a failure, write `<process>: <line>` to stderr
+    and exit with status 1, without a traceback."""
+    try:
+        startup_check(names)
+    except StartupError as exc:
+        sys.stderr.write(f"{process}: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
