@@ -12,9 +12,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first, so a code change does not reinstall them.
-COPY requirements.txt ./
-RUN pip install -r requirements.txt
+# Dependencies first, so a code change does not reinstall them: the runtime tree locked from
+# requirements.txt (`make lock`), every package pinned and checked against its hashes.
+COPY requirements/lock.txt ./requirements/lock.txt
+RUN pip install --require-hashes -r requirements/lock.txt
 
 RUN groupadd --system iotqueue \
     && useradd --system --gid iotqueue --home-dir /app --no-create-home --shell /usr/sbin/nologin iotqueue

@@ -5,20 +5,38 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install messages alerts-test run flower test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
+.PHONY: install lock messages alerts-test run flower test test-fast test-api test-pip test-browser screenshots lint format bench bench-pg bench-fleet bench-admin clean
 
+# Installs come from the lock files (requirements/lock*.txt, written by `make lock` from the
+# human lists requirements*.txt): every package, transitive ones too, pinned with its hashes.
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
-$(RUN_STAMP): requirements.txt requirements-run.txt
+$(RUN_STAMP): requirements/lock-run.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements-run.txt
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-run.txt
 	touch $(RUN_STAMP)
 
 # Everything development needs (tests, linters): the same plus requirements-dev.txt. A venv
 # made by `make run` is completed here by the first `make test` or `make install`.
-$(STAMP): $(RUN_STAMP) requirements-dev.txt
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+$(STAMP): $(RUN_STAMP) requirements/lock-dev.txt
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-dev.txt
 	touch $(STAMP)
+
+## Re-resolve the lock files after editing a human list (requirements*.txt), with pip-tools in
+## a virtualenv of its own: the development tree first, then the `make run` and image trees
+## within it, so the three agree. A pin the lists leave open stays as locked until asked:
+## `make lock LOCK_ARGS="--upgrade-package kombu"` (or "--upgrade" for all of them).
+LOCK_VENV := $(VENV)/lock-tools
+PIP_COMPILE = $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links
+
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) \
+		&& $(LOCK_VENV)/bin/python -m pip install --quiet pip-tools==7.6.2; }
+	$(PIP_COMPILE) $(LOCK_ARGS) --output-file requirements/lock-dev.txt requirements-dev.txt
+	rm -f requirements/lock-run.txt requirements/lock.txt
+	$(PIP_COMPILE) -c requirements/lock-dev.txt --output-file requirements/lock-run.txt requirements-run.txt
+	$(PIP_COMPILE) -c requirements/lock-run.txt --output-file requirements/lock.txt requirements.txt
 
 # The translation catalogues, compiled from the committed .po files (iotqueue/catalogue.py).
 CATALOGUES := $(patsubst %.po,%.mo,$(wildcard locale/*/LC_MESSAGES/*.po))
