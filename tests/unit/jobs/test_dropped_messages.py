@@ -66,3 +66,6 @@ class Sent:
 
     def delay(self) -> None:
         self.sent.append(1)
+
+    def apply_async(self, **options) -> None:
+        self.sent.append(options)
