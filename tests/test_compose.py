@@ -404,11 +404,13 @@ def test_dockerfile_installs_requirements_and_runs_as_non_root(target):
     # given what building an image of the Dockerfile runs
     base, lines = image_build(target)
 
-    # then it builds on python:3.11-slim, installs requirements.txt and drops root
+    # then it builds on python:3.11-slim, installs requirements.txt's hash-locked tree and drops root
     assert base == "python:3.11-slim"
-    copy_at = next(i for i, line in enumerate(lines) if re.match(r"COPY .*requirements\.txt", line))
+    copy_at = next(i for i, line in enumerate(lines) if re.match(r"COPY .*requirements/lock\.txt", line))
     install_at = next(
-        i for i, line in enumerate(lines) if re.match(r"RUN pip install .*-r requirements\.txt", line)
+        i
+        for i, line in enumerate(lines)
+        if re.match(r"RUN pip install --require-hashes -r requirements/lock\.txt", line)
     )
     assert copy_at < install_at
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
@@ -423,8 +425,10 @@ def test_the_runtime_image_installs_the_runtime_requirements_only_and_no_devtool
     # then compose builds the runtime target, and a plain `docker build .` gives the same image
     assert compose_load()["x-app"]["build"]["target"] == RUNTIME_TARGET
     assert image_build(default_target) == image_build(RUNTIME_TARGET)
-    # and its one pip install is requirements.txt, the runtime dependencies
-    assert [line for line in lines if "pip install" in line] == ["RUN pip install -r requirements.txt"]
+    # and its one pip install is requirements/lock.txt, the runtime dependencies, hash-locked
+    assert [line for line in lines if "pip install" in line] == [
+        "RUN pip install --require-hashes -r requirements/lock.txt"
+    ]
     # and it copies named directories, none of them devtools/
     copied = copied_sources(lines)
     assert "." not in copied, "COPY . would ship devtools/ and everything else in the context"
