@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,22 +56,29 @@ class WorkStream:
         """The flag of the outstanding drain (or of its one helper, for jobs/inbox.py)."""
         return redis_key(f"{self.name}-helper" if helper else f"{self.name}-wake")
 
-    def append(self, conn: redis.Redis, fields: dict[str, str], *, wake_delay_ms: float = 0) -> None:
+    def append(
+        self,
+        conn: redis.Redis,
+        fields: dict[str, str],
+        *,
+        wake_delay_ms: float = 0,
+        summary: Callable[[], str] | None = None,
+    ) -> None:
         """Append an entry and wake a drain if none is outstanding: one round trip.
 
         `wake_delay_ms` postpones the drain task that much (a Celery countdown), so that
-        the entries appended meanwhile are taken with this one (0: at once).
+        the entries appended meanwhile are taken with this one (0: at once). `summary()`,
+        called only when a task is sent, is its `argsrepr` (what Celery's events show).
         """
         with conn.pipeline(transaction=False) as pipe:
             pipe.xadd(self.key(), fields)
             pipe.set(self.wake_key(), "1", nx=True, px=WAKE_TTL_MS)
             _, wake = pipe.execute()
         if wake:
-            signature = current_app.signature(self.task)
+            options: dict[str, Any] = {"argsrepr": summary()} if summary is not None else {}
             if wake_delay_ms:
-                signature.apply_async(countdown=wake_delay_ms / 1000)
-            else:
-                signature.delay()
+                options["countdown"] = wake_delay_ms / 1000
+            current_app.signature(self.task).apply_async(**options)
 
     def group_ensure(self, conn: redis.Redis) -> None:
         try:

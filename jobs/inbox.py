@@ -64,14 +64,59 @@ class Work:
 Apply = Callable[..., None]
 
 
+# A summary names at most this many runs, steps or devices, then "+N more".
+SUMMARY_ITEMS = 10
+
+
 def replies_enqueue(replies: list[list]) -> None:
-    """Bridge side: append a group of replies [[device, payload], ...]; wake a worker if due."""
-    INBOX.append(redis_connection(), {"r": json.dumps(replies, separators=(",", ":"))})
+    """Bridge side: append a group of replies [[device, payload], ...]; wake a worker if due.
+
+    A drain task it sends carries what woke it as its `argsrepr` (`wake: size=1, steps=[…],
+    devices=[…]`), built only then, from the replies alone (no row is read)."""
+    INBOX.append(
+        redis_connection(),
+        {"r": json.dumps(replies, separators=(",", ":"))},
+        summary=lambda: "wake: " + summary_text(work_summary(Work(replies=replies))),
+    )
 
 
 def run_enqueue(run_id: str) -> None:
     """Ask for a run (created and committed) to be started; wake a worker if due."""
-    INBOX.append(redis_connection(), {"s": run_id})
+    INBOX.append(redis_connection(), {"s": run_id}, summary=lambda: f"wake: size=1, runs=[{run_id}]")
+
+
+def _bounded(values: list) -> str:
+    """`[a, b]`: the distinct values in order, at most SUMMARY_ITEMS of them, then `+N more`."""
+    distinct = list(dict.fromkeys(str(value) for value in values))
+    shown = distinct[:SUMMARY_ITEMS]
+    if len(distinct) > SUMMARY_ITEMS:
+        shown.append(f"+{len(distinct) - SUMMARY_ITEMS} more")
+    return "[" + ", ".join(shown) + "]"
+
+
+def _command_step(payload: Any) -> str | None:
+    """The step run id a reply's command id starts with (`<step run>-<attempt>-<hex>`)."""
+    command_id = payload.get("command_id") if isinstance(payload, dict) else None
+    head = str(command_id or "").split("-", 1)[0]
+    return head if head.isdigit() else None
+
+
+def work_summary(work: Work) -> dict[str, int | str]:
+    """What a batch holds, for people: `size` (replies and run starts), the `runs` it starts,
+    the `steps` (step run ids, from the replies' command ids) and `devices` it answers for;
+    each list bounded (`_bounded`), an empty one left out. String building only, no row read."""
+    fields: dict[str, int | str] = {"size": len(work.replies) + len(work.starts)}
+    steps = [step for step in (_command_step(reply[-1]) for reply in work.replies if reply) if step]
+    devices = [reply[0] for reply in work.replies if reply]
+    for name, values in (("runs", work.starts), ("steps", steps), ("devices", devices)):
+        if values:
+            fields[name] = _bounded(values)
+    return fields
+
+
+def summary_text(fields: dict[str, int | str]) -> str:
+    """`size=2, steps=[12, 13], devices=[gate-1]`: a summary as a Celery argsrepr."""
+    return ", ".join(f"{name}={value}" for name, value in fields.items())
 
 
 def _work(entries: list[tuple[str, dict]]) -> Work:
@@ -107,7 +152,15 @@ def _done_and_read_next(
     return take
 
 
-def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, helper: bool = False) -> int:
+def inbox_drain(
+    apply: Apply,
+    *,
+    batch_max: int,
+    linger_ms: int,
+    retried: bool,
+    helper: bool = False,
+    on_batch: Callable[[Work], None] | None = None,
+) -> int:
     """Worker side: take, apply and acknowledge entries until none wait; returns entries.
 
     When the inbox is empty the drain waits up to `linger_ms` for a next entry before it
@@ -117,7 +170,8 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
     leaves the entries it got pending (the task is retried). Within the time slice, each
     batch's last pipeline acknowledges its entries and reads the next ones in one round
     trip; entries read that way are applied even when the slice ended meanwhile (they
-    are pending under this consumer: a new task would not read them).
+    are pending under this consumer: a new task would not read them). `on_batch(work)` is
+    called with each batch before it is applied (the task's batch event).
     """
     conn = redis_connection()
     count = max(1, batch_max)
@@ -156,7 +210,10 @@ def inbox_drain(apply: Apply, *, batch_max: int, linger_ms: int, retried: bool, 
             finally_ = partial(_done_and_read_next, ids, count=count, helper=helper, into=read_next)
         else:
             finally_ = partial(entries_done, ids)  # the last batch of this slice reads nothing more
-        apply(_work(entries), finally_=finally_)
+        work = _work(entries)
+        if on_batch is not None:
+            on_batch(work)
+        apply(work, finally_=finally_)
         done += len(entries)
     # Time slice over with entries perhaps still waiting: hand the drain to a new task
     # (its wake flag stays set, so it is the only one of its kind).

@@ -5,6 +5,7 @@ compare-and-sets on (step, attempt, command id, fence).
 """
 
 import logging
+from functools import partial
 
 from celery import shared_task
 from celery.exceptions import Ignore
@@ -49,9 +50,24 @@ def inbox_drain_task(self, items: list[list] | None = None, helper: bool = False
             linger_ms=settings.IOTQUEUE_INBOX_LINGER_MS,
             retried=self.request.retries > 0,
             helper=helper,
+            on_batch=partial(_batch_event, self) if self.app.conf.worker_send_task_events else None,
         )
     finally:
         dispatch.commands_settle()
+
+
+# The drain's custom Celery event, one per batch it takes (task events on only): what it
+# applies is decided after the task started, which `celery inspect active` cannot show.
+BATCH_EVENT = "task-batch"
+
+
+def _batch_event(task, work: inbox.Work) -> None:
+    """Send `task-batch` (size, runs, steps, devices) for this drain's task id; an event that
+    cannot be sent is logged, never the batch's failure."""
+    try:
+        task.send_event(BATCH_EVENT, retry=False, **inbox.work_summary(work))
+    except Exception as exc:
+        log.warning("inbox: the drain's batch event was not sent (%r)", exc)
 
 
 @shared_task(bind=True, name=canvas.PARK_TASK, ignore_result=False)

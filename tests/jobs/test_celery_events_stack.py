@@ -8,10 +8,12 @@ import threading
 import pytest
 
 from iotqueue import celery_app
+from iotqueue.redis_conn import redis_connection
+from jobs import inbox
 from jobs.models import RunStatus, StepKind
 from jobs.services import run_start
 from tests.conftest import wait_for
-from tests.factories import JobStepFactory, JobTemplateFactory
+from tests.factories import DeviceFactory, JobStepFactory, JobTemplateFactory, template_with_steps
 from tests.jobs import step_tasks  # noqa: F401  (registers the test step tasks here too)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(90)]
@@ -63,12 +65,51 @@ def test_celery_task_events_name_the_run_a_task_belongs_to(stack):
         wait_for(lambda: run.refresh_from_db() or run.status == RunStatus.SUCCEEDED, what="the run")
 
         # then its task was sent and received with the run's id in the summary, not bare ids
+        def step_task_events() -> list[dict]:
+            return [e for e in log.naming(str(run.pk)) if e.get("name") == "jobs.task_step_run"]
+
         wait_for(
-            lambda: {"task-sent", "task-received"} <= {e["type"] for e in log.naming(str(run.pk))},
+            lambda: {"task-sent", "task-received"} <= {e["type"] for e in step_task_events()},
             what="task-sent and task-received events naming the run",
         )
-        received = next(e for e in log.naming(str(run.pk)) if e["type"] == "task-received")
-        assert received["name"] == "jobs.task_step_run"
+        received = next(e for e in step_task_events() if e["type"] == "task-received")
         assert received["kwargs"] == f"runs=[{run.pk}], step=0, task=tests.firmware_url"
+    finally:
+        log.stop()
+
+
+def test_the_inbox_drain_names_what_woke_it_and_each_batch_it_applies(stack, manual_device):
+    # given a listener on the broker's event channel, and a run of one command step whose
+    # command reached its hand-driven device, with no drain under way any more
+    log = EventLog().start()
+    try:
+        wait_for(lambda: log.events, what="a first Celery event (a worker's heartbeat)")
+        device = DeviceFactory()
+        hand = manual_device(device.name)
+        run, _ = run_start(template=template_with_steps((device, "blink", {})))
+        command = hand.next_command()
+        wait_for(lambda: not redis_connection().exists(inbox.INBOX.wake_key()), what="the drain to end")
+
+        # when the device answers
+        hand.done(command["id"])
+        wait_for(lambda: run.refresh_from_db() or run.status == RunStatus.SUCCEEDED, what="the run")
+
+        # then the drain the answer woke was sent with the device in its summary, and a
+        # drain's batch event named the run it started
+        def sent_naming_device() -> list[dict]:
+            return [
+                e
+                for e in log.events
+                if e["type"] == "task-sent"
+                and e["name"] == inbox.DRAIN_TASK
+                and f"devices=[{device.name}]" in e["args"]
+            ]
+
+        wait_for(sent_naming_device, what="a drain task sent with the device in its summary")
+        assert sent_naming_device()[0]["args"].startswith("wake: size=1, steps=[")
+        wait_for(
+            lambda: [e for e in log.events if e["type"] == "task-batch" and str(run.pk) in e.get("runs", "")],
+            what="a drain's batch event naming the run",
+        )
     finally:
         log.stop()
