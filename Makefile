@@ -24,7 +24,8 @@ $(STAMP): $(RUN_STAMP) requirements/lock-dev.txt
 
 ## Re-resolve the lock files after editing a human list (requirements*.txt), with pip-tools in
 ## a virtualenv of its own: the development tree first, then the `make run` and image trees
-## within it, so the three agree. A pin the lists leave open stays as locked until asked:
+## within it, so the three agree, and Flower's (`make flower`) at the development tree's
+## versions. A pin the lists leave open stays as locked until asked:
 ## `make lock LOCK_ARGS="--upgrade-package kombu"` (or "--upgrade" for all of them).
 LOCK_VENV := $(VENV)/lock-tools
 PIP_COMPILE = $(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
@@ -34,9 +35,10 @@ lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) \
 		&& $(LOCK_VENV)/bin/python -m pip install --quiet pip-tools==7.6.2; }
 	$(PIP_COMPILE) $(LOCK_ARGS) --output-file requirements/lock-dev.txt requirements-dev.txt
-	rm -f requirements/lock-run.txt requirements/lock.txt
+	rm -f requirements/lock-run.txt requirements/lock.txt requirements/lock-flower.txt
 	$(PIP_COMPILE) -c requirements/lock-dev.txt --output-file requirements/lock-run.txt requirements-run.txt
 	$(PIP_COMPILE) -c requirements/lock-run.txt --output-file requirements/lock.txt requirements.txt
+	$(PIP_COMPILE) -c requirements/lock-dev.txt --output-file requirements/lock-flower.txt requirements-flower.txt
 
 # The translation catalogues, compiled from the committed .po files (iotqueue/catalogue.py).
 CATALOGUES := $(patsubst %.po,%.mo,$(wildcard locale/*/LC_MESSAGES/*.po))
@@ -52,9 +54,9 @@ run: $(RUN_STAMP) $(CATALOGUES)
 	$(BIN)/python -m devtools.devstack
 
 ## Flower, Celery's web monitor, on http://127.0.0.1:5555 against REDIS_URL's broker (with
-## `make run`, paste its `export` line first). Optional: installs requirements-flower.txt.
+## `make run`, paste its `export` line first). Optional: installs requirements/lock-flower.txt.
 flower: install
-	$(BIN)/python -m pip install --quiet -r requirements-flower.txt
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-flower.txt
 	$(BIN)/celery -A iotqueue flower --address=127.0.0.1 --port=5555
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
@@ -78,10 +80,12 @@ test-api: install
 	IOTQUEUE_API_CONTRACT=1 $(BIN)/python -m pytest -s tests/iotqueue/test_api_contract.py
 
 ## The browser tier (tests/browser/): the admin in headless Chromium through Selenium, on a live
-## server beside the real worker and bridge; installs Debian's chromium, chromium-driver and a
-## Chinese font first when missing (as root). A failed test's screenshot path is in its report.
+## server beside the real worker and bridge, and Flower's task list (so it installs
+## requirements/lock-flower.txt); installs Debian's chromium, chromium-driver and a Chinese
+## font first when missing (as root). A failed test's screenshot path is in its report.
 test-browser: install
 	$(BIN)/python -m devtools.browser install
+	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-flower.txt
 	$(BIN)/python -m pytest -m browser tests/browser
 
 ## Regenerate docs/img/ (dashboard and run page, English and Chinese) on a throwaway stack.

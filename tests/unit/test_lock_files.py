@@ -19,6 +19,8 @@ LOCKS = {
     "requirements.txt": "requirements/lock.txt",
     "requirements-run.txt": "requirements/lock-run.txt",
     "requirements-dev.txt": "requirements/lock-dev.txt",
+    # Optional (`make flower`, `make test-browser`), installed over the development tree.
+    "requirements-flower.txt": "requirements/lock-flower.txt",
 }
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
 HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}\b")
@@ -89,9 +91,9 @@ def test_every_locked_package_has_a_hash(lock_name):
     assert not unhashed, f"{lock_name}: no --hash for {unhashed}"
 
 
-def test_the_three_locks_agree():
-    # given the image's, `make run`'s and development's trees
-    image, run, dev = (lock_entries(name) for name in LOCKS.values())
+def test_the_locks_agree():
+    # given the image's, `make run`'s, development's and Flower's trees
+    image, run, dev, flower = (lock_entries(name) for name in LOCKS.values())
 
     # when each smaller tree is compared with the larger one installed over it
     def differ(small, large):
@@ -105,6 +107,9 @@ def test_the_three_locks_agree():
     # never up- or downgrades a package
     assert not differ(image, run), "requirements/lock.txt and lock-run.txt disagree; run `make lock`"
     assert not differ(run, dev), "requirements/lock-run.txt and lock-dev.txt disagree; run `make lock`"
+    # and Flower's tree, installed over development's, keeps every version development has
+    shared = {name: entry for name, entry in flower.items() if name in dev}
+    assert not differ(shared, dev), "requirements/lock-flower.txt and lock-dev.txt disagree; run `make lock`"
 
 
 def test_installs_read_the_locks_with_hashes_required():
@@ -116,6 +121,7 @@ def test_installs_read_the_locks_with_hashes_required():
     lines = (makefile + dockerfile).splitlines()
     installs = [line for line in lines if "pip install" in line and " -r " in line]
 
-    # then the image, `make run` and `make install` each install their lock, hashes required
+    # then the image, `make run`, `make install` and `make flower` each install their lock,
+    # hashes required
     for lock in LOCKS.values():
         assert any(f"--require-hashes -r {lock}" in line for line in installs), f"nothing installs {lock}"
