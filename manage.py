@@ -16,15 +16,10 @@ def main():
             "available on your PYTHONPATH environment variable? Did you "
             "forget to activate a virtual environment?"
         ) from exc
-    from django.conf import settings
-    from django.core.exceptions import ImproperlyConfigured
+    from iotqueue.startup import settings_load_or_exit
 
-    try:
-        settings.INSTALLED_APPS  # noqa: B018  (loads the settings, which fail closed)
-    except ImproperlyConfigured as exc:
-        # A start-up error says what to set in one line, not in a traceback (docs/operations.md).
-        sys.stderr.write(f"manage.py: {exc}\n")
-        sys.exit(1)
+    # A start-up error says what to set in one line, not in a traceback (docs/operations.md).
+    settings_load_or_exit("manage.py")
     execute_from_command_line(sys.argv)
 
 

@@ -42,6 +42,22 @@ class IotqueueCelery(Celery):
 
 
 app = IotqueueCelery("iotqueue")
+
+
+@app.on_configure.connect
+def _settings_load(sender, **kwargs) -> None:
+    """Just before Celery first reads its configuration from Django's settings: settings
+    that fail closed (no SECRET_KEY or ALLOWED_HOSTS without DEBUG) end a `celery` command
+    in one line and exit status 1, not in a traceback (iotqueue/startup.py). Named after
+    the command (`worker: ...`, `beat: ...`) when Celery's command line is reading it."""
+    import click
+
+    from .startup import settings_load_or_exit
+
+    command = click.get_current_context(silent=True)
+    settings_load_or_exit(command.info_name if command else "celery")
+
+
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 

@@ -6,6 +6,11 @@ a timeout, with a traceback. These checks run first, each bounded by a few secon
 raise StartupError with one line that says what is wrong and what to do; the entry points
 (`manage.py bridge`, `make run`, the Celery worker and beat through their `worker_init` and
 `beat_init` signals) print that line and exit with status 1.
+
+Before any of that, the settings themselves fail closed (iotqueue/settings.py: no real
+SECRET_KEY or no ALLOWED_HOSTS without DEBUG); every entry point (manage.py, the WSGI
+module gunicorn imports, `celery -A iotqueue ...`) loads them through settings_load_or_exit,
+which turns the ImproperlyConfigured into the same kind of line.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterable
 import paho.mqtt.client as mqtt
 import redis
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 from django.db.utils import DatabaseError
@@ -163,3 +169,16 @@ def startup_check_or_exit(process: str, names: Iterable[str]) -> None:
         sys.stderr.write(f"{process}: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+def settings_load_or_exit(process: str, *, status: int = 1) -> None:
+    """Load Django's settings for an entry point. They refuse to load when misconfigured
+    (ImproperlyConfigured, whose message names the variable to set): then write
+    `<process>: <message>` to stderr and exit with `status`, without a traceback. Any
+    other error while loading them is a bug and keeps its traceback."""
+    try:
+        settings.INSTALLED_APPS  # noqa: B018  (the first access imports the settings module)
+    except ImproperlyConfigured as exc:
+        sys.stderr.write(f"{process}: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(status) from None

@@ -109,3 +109,54 @@ def test_an_unmigrated_database_says_to_migrate(bridge_env, tmp_path):
 
     # then it says to run migrate
     assert_one_line_failure(result, "manage.py migrate")
+
+
+# Each entry point as production starts it (Dockerfile, docker-compose.yml), named as its line is.
+ENTRY_POINTS = {
+    "manage.py": ["manage.py", "check"],
+    "web": ["-m", "gunicorn", "iotqueue.wsgi:application", "--bind", "127.0.0.1:0", "--no-control-socket"],
+    "worker": ["-m", "celery", "-A", "iotqueue", "worker", "--pool=solo"],
+    "beat": ["-m", "celery", "-A", "iotqueue", "beat"],
+}
+# A key Django's deploy check accepts (50 characters, many distinct ones).
+GOOD_SECRET_KEY = "k" + "".join(chr(ord("A") + n % 58) for n in range(60))
+
+
+def production_start(process: str, **variables: str) -> subprocess.CompletedProcess:
+    """Start an entry point without DEBUG, with `variables` set (a .env file cannot fill in
+    what is set here, empty or not)."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "iotqueue.settings", "DEBUG": "false", **variables}
+    return subprocess.run(
+        [sys.executable, *ENTRY_POINTS[process]],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_BOUND_SECONDS,
+    )
+
+
+def assert_settings_line(result: subprocess.CompletedProcess, start: str) -> None:
+    """A non-zero exit, no traceback, and a line of stderr that starts with `start` (gunicorn
+    logs its own lines around the web's)."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert any(line.startswith(start) for line in result.stderr.splitlines()), result.stderr
+
+
+@pytest.mark.parametrize("process", ENTRY_POINTS)
+def test_a_missing_secret_key_is_named_in_one_line_by_every_entry_point(process):
+    # when a process starts without DEBUG and without a SECRET_KEY
+    result = production_start(process, SECRET_KEY="", ALLOWED_HOSTS="iotqueue.example.com")
+
+    # then it exits non-zero with one line, after its name, that says what to set; no traceback
+    assert_settings_line(result, f"{process}: SECRET_KEY is not set. With DEBUG off, set SECRET_KEY")
+
+
+@pytest.mark.parametrize("process", ["web", "worker"])
+def test_missing_allowed_hosts_are_named_in_one_line(process):
+    # when a process starts without DEBUG, with a good key but no ALLOWED_HOSTS
+    result = production_start(process, SECRET_KEY=GOOD_SECRET_KEY, ALLOWED_HOSTS="")
+
+    # then its one line names ALLOWED_HOSTS
+    assert_settings_line(result, f"{process}: ALLOWED_HOSTS is not set. With DEBUG off, set it")
