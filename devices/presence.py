@@ -8,6 +8,7 @@ from datetime import timedelta
 from django.dispatch import Signal
 from django.utils import timezone
 
+from iotqueue.bridge import message_again
 from iotqueue.budget import MessageBudget, message_drop_note
 
 from . import protocol
@@ -62,7 +63,8 @@ def presence_message_handle(topic: str, payload: bytes) -> None:
     if parsed is None:
         return
     name, kind = parsed
-    if (payload or kind == "heartbeat") and not presence_budget.admit(name):
+    # Held through an outage and given again (iotqueue/redelivery.py): charged the first time.
+    if (payload or kind == "heartbeat") and not message_again() and not presence_budget.admit(name):
         why = f"{kind} over {PRESENCE_MESSAGES_PER_SECOND:g} a second; not applied"
         message_drop_note(device=name, reason=why, message=why, topic=topic, size=len(payload))
         return

@@ -4,7 +4,9 @@ Apps register handlers in AppConfig.ready() (`handler_register` for topic filter
 prefix, `dynamic_topics_register` for per-device legacy topics that change at runtime), so
 this module knows neither devices nor jobs. A handler gets (topic, payload) and must be
 quick: validate, correlate, hand off to Celery. A handler that raises is logged and
-counted; the bridge keeps running.
+counted; the bridge keeps running. One that meets an outage (the database, Redis or
+Celery's broker unreachable) has its message held and handed to it again once that server
+is back (iotqueue/redelivery.py), so a restart loses no status, heartbeat or trigger.
 
 No message is lost while no bridge runs or when one dies: each replica has a persistent
 session under a stable client id (MQTT_BRIDGE_CLIENT_ID, by default one per host), so the
@@ -47,6 +49,7 @@ from .budget import MessageBudget, drop_summaries_report, drop_tally, message_dr
 from .health import MESSAGE_STATS, BridgeHeartbeat
 from .metrics import COUNTER, Family, counter_buffer, family_declare
 from .mqtt import client_connect, client_create
+from .redelivery import OUTAGE_ERRORS, Held, Redelivery
 from .topics import filters_overlap, topic_filter_error
 
 log = logging.getLogger(__name__)
@@ -87,10 +90,11 @@ BRIDGE_MESSAGES = family_declare(
         "iotqueue_bridge_messages",
         "Messages the bridge received, by what became of them. 'accepted' replies were valid and handed "
         "to the engine, which may still find them stale, unknown or from a foreign device. 'over_budget': "
-        "dropped unread, its device over IOTQUEUE_DEVICE_MESSAGE_RATE.",
+        "dropped unread, its device over IOTQUEUE_DEVICE_MESSAGE_RATE. 'held': its handler met an outage "
+        "(database, Redis, Celery's broker); held unacknowledged and handed to it again.",
         COUNTER,
         ("kind",),
-        ("unrouted", "handler_error", "over_budget"),
+        ("unrouted", "handler_error", "over_budget", "held"),
     )
 )
 BRIDGE_CALLBACK_ERRORS = family_declare(
@@ -154,6 +158,12 @@ def ack_defer() -> Callable[[], None]:
         return lambda: None
     _current.deferred = True
     return ack
+
+
+def message_again() -> bool:
+    """True while a handler is given a message again (its first call met an outage and the
+    message was held, iotqueue/redelivery.py): a handler's own budget charged it then."""
+    return getattr(_current, "again", False)
 
 
 def bridge_client_id() -> str:
@@ -237,6 +247,8 @@ class Bridge:
         self._lock = threading.Lock()
         # paho's network thread, learnt from inside it at its first connection attempt.
         self._network_thread: threading.Thread | None = None
+        # Messages whose handler met an outage, handed to it again from a thread of their own.
+        self.held = Redelivery(self._again, self._held_drop)
 
     def _subscription(self, topic: str) -> str:
         group = settings.MQTT_SHARED_GROUP
@@ -342,24 +354,63 @@ class Bridge:
                 size=len(message.payload),
             )
             return False
+        ack = functools.partial(self._ack, message)
+        held = Held(device=device, topic=topic, payload=message.payload, ack=ack)
+        if self.held.hold_behind(held):
+            return True  # behind the device's held messages, in order
+        outcome = self._handler_run(handler, held, again=False)
+        if outcome == "outage":
+            self.stats["held"] += 1
+            counter_buffer.add(BRIDGE_MESSAGES, "held")
+            self.held.hold(held)
+            return True
+        return outcome == "deferred"
+
+    def _handler_run(self, handler: Handler, held: Held, *, again: bool) -> str:
+        """Call `handler`: "handled", "deferred" (it acknowledges later, ack_defer), "outage"
+        (it met one: nothing done, try again) or "failed" (logged, dropped)."""
         close_old_connections()
-        _current.ack, _current.deferred = functools.partial(self._ack, message), False
+        _current.ack, _current.deferred, _current.again = held.ack, False, again
         try:
-            handler(topic, message.payload)
+            handler(held.topic, held.payload)
             self.stats["handled"] += 1
             # By handler too, so each replica's stop line says what it handled (replies,
             # presence, ...): how a shared group split the load shows per replica.
             self.stats[f"handled:{getattr(handler, '__name__', 'handler')}"] += 1
+            return "deferred" if _current.deferred else "handled"
+        except OUTAGE_ERRORS as exc:
+            # The database, Redis or Celery's broker is away: the message is fine, held.
+            log.debug("bridge: handler for %s met an outage (%r)", held.topic, exc)
+            return "outage"
         except Exception:
             # A handler that raises has recorded nothing it could redo (presence and
             # trigger messages come again by their nature); acknowledged, or the broker
             # would stop sending once the unacknowledged ones fill its in-flight window.
             self.stats["handler_errors"] += 1
             counter_buffer.add(BRIDGE_MESSAGES, "handler_error")
-            log.exception("bridge: handler for %s failed; message dropped", topic)
+            log.exception("bridge: handler for %s failed; message dropped", held.topic)
+            return "failed"
         finally:
-            deferred, _current.ack = _current.deferred, None
-        return deferred
+            _current.ack, _current.again = None, False
+
+    def _again(self, held: Held) -> bool:
+        """The redelivery thread's try of a held message: True once it is settled."""
+        route = self._route(held.topic)
+        if route is None:  # its dynamic topic is gone meanwhile
+            held.ack()
+            return True
+        outcome = self._handler_run(route[0], held, again=True)
+        if outcome == "outage":
+            return False
+        if outcome != "deferred":
+            held.ack()
+        return True
+
+    def _held_drop(self, held: Held, why: str) -> None:
+        self.stats["held_dropped"] += 1
+        device, size = held.device, len(held.payload)
+        message_drop_note(device=device, reason="held too long", message=why, topic=held.topic, size=size)
+        held.ack()
 
     def _over_budget_text(self) -> str:
         return (
@@ -479,6 +530,7 @@ class Bridge:
         # Liveness for `manage.py healthcheck bridge` (iotqueue/health.py), off the message path.
         heartbeat = BridgeHeartbeat(bridge_client_id(), self._health_state, log)
         heartbeat.start()
+        self.held.start()
         refreshed = time.monotonic()
         try:
             while not self._stop.is_set():
@@ -491,6 +543,8 @@ class Bridge:
                     counter_buffer.flush()  # message counts of a quiet spell reach /metrics too
         finally:
             heartbeat.stop()
+            if left := self.held.stop():
+                log.warning("bridge: %d held messages left unacknowledged (delivered again later)", left)
             # Replies grouped but not handed off yet: hand them off and acknowledge them
             # while still connected (what fails now is delivered again next time).
             batchers_flush()

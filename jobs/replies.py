@@ -20,7 +20,7 @@ from django.db import close_old_connections, transaction
 from devices import protocol
 from devices.models import Device
 from iotqueue.batching import Batcher
-from iotqueue.bridge import BRIDGE_MESSAGES, Handler, ack_defer
+from iotqueue.bridge import BRIDGE_MESSAGES, Handler, ack_defer, message_again
 from iotqueue.budget import DropSummary, MessageBudget, message_drop_note
 from iotqueue.metrics import counter_buffer
 
@@ -89,7 +89,7 @@ def jobs_get_handle(topic: str, payload: bytes) -> None:
     except protocol.ProtocolError as exc:
         message_dropped(device, topic, payload, str(exc))
         return
-    if not jobs_get_budget.admit(device):
+    if not message_again() and not jobs_get_budget.admit(device):
         why = f"jobs/get over {JOBS_GET_RATE:g} a second; not answered again"
         message_dropped(device, topic, payload, why)
         return

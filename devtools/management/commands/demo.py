@@ -4,6 +4,7 @@ import time
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.db.models import Q
 from django.utils import timezone
 
@@ -36,6 +37,8 @@ class Command(BaseCommand):
         parser.add_argument("--runs", type=int, default=2, help="runs per template")
         parser.add_argument("--follow", action="store_true", help="show progress until the runs finish")
         parser.add_argument("--timeout", type=float, default=120.0, help="give up following after this")
+
+    _database_away = False
 
     def handle(self, *args, **options):
         try:
@@ -82,7 +85,7 @@ class Command(BaseCommand):
     def _wait_run(self, runs, what: str) -> JobRun:
         deadline = time.monotonic() + MQTT_RUN_WAIT_SECONDS
         while time.monotonic() < deadline:
-            run = runs.first()
+            run = self._read(runs.first)
             if run is not None:
                 return run
             time.sleep(POLL_SECONDS)
@@ -94,12 +97,16 @@ class Command(BaseCommand):
         shown: dict = {}
         deadline = time.monotonic() + timeout
         while True:
-            runs = list(
-                JobRun.objects.filter(followed)
-                .select_related("template", "template_version")
-                .prefetch_related("step_runs")
-                .order_by("created_at")
+            runs = self._read(
+                lambda: list(
+                    JobRun.objects.filter(followed)
+                    .select_related("template", "template_version")
+                    .prefetch_related("step_runs")
+                    .order_by("created_at")
+                )
             )
+            if runs is None:  # the database is away (restarting): follow on once it is back
+                runs = []
             for run in runs:
                 line = run_progress_line(run)
                 if (every_change or run.is_terminal) and shown.get(run.pk) != line:
@@ -115,3 +122,21 @@ class Command(BaseCommand):
             raise CommandError(f"{summary}: some did not succeed")
         self.stdout.write(self.style.SUCCESS(summary))
         return runs
+
+    def _read(self, read):
+        """`read()`, or None while the database is unreachable (said once per outage): the
+        stack's processes ride out a database restart, and so does the progress display."""
+        try:
+            value = read()
+        except (OperationalError, InterfaceError) as exc:
+            close_old_connections()
+            if not self._database_away:
+                self._database_away = True
+                reason = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+                now = time.strftime("%H:%M:%S")
+                self.stdout.write(f"{now}  database unreachable ({reason}); still following")
+            return None
+        if self._database_away:
+            self._database_away = False
+            self.stdout.write(f"{time.strftime('%H:%M:%S')}  database back")
+        return value
