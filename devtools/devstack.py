@@ -6,11 +6,17 @@ simulator, then runs the `demo` command (seed devices and templates, trigger run
 progress). Its start-up ends with one block saying how to use the stack (access_block), printed
 again when the demo is done. Ctrl-C or SIGTERM stops every child it started. With
 --exit-when-done (implied when CI is set) it stops once the demo runs have finished.
+
+Several stacks can run from one checkout: each claims its own state directory (var/devstack,
+else var/devstack-2, -3, ...; instance_claim) and, unless DATABASE_URL is set, a second one
+its own SQLite database in it; each binds its servers' and web ports without a window
+between a check and the bind.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import logging
 import os
@@ -20,12 +26,21 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from .processes import BASE_DIR, Supervisor, beat_argv, manage_argv, worker_argv
 from .servers import EmbeddedServer, free_port, mqtt_broker_start, redis_start
 
-STATE_DIR = BASE_DIR / "var" / "devstack"
+# Where the stacks of this checkout keep their files: the first in var/devstack, one started
+# while it runs in var/devstack-2, and so on.
+STATE_ROOT = BASE_DIR / "var"
+STATE_NAME = "devstack"
+# The file in a state directory whose exclusive lock marks the directory taken.
+INSTANCE_LOCK = "instance.lock"
+# Stacks one checkout runs at once: a few on purpose; more means something is wrong.
+INSTANCES_MAX = 9
 # The web server's usual port; a free one is taken when something else listens there.
 WEB_PORT = 8000
 # Ports the web server tries in turn, each found taken when it bound (two stacks starting
@@ -84,13 +99,70 @@ def _webhook_receiver_start() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}/webhook"
 
 
-def _services_start(servers: list[EmbeddedServer]) -> dict[str, str]:
+class InstancesTaken(RuntimeError):
+    """Every state directory is held by a running stack."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """The state directory this stack claimed, and the open file whose lock claims it."""
+
+    number: int
+    directory: Path
+    lock_fd: int
+
+
+def instance_claim(root: Path = STATE_ROOT) -> Instance:
+    """Claim the first state directory no running stack holds: root/devstack, else
+    root/devstack-2, -3, ... up to INSTANCES_MAX.
+
+    The claim is an exclusive flock on the directory's INSTANCE_LOCK, taken without waiting:
+    two stacks starting at the same moment cannot both get it (the lock is the check, no
+    window between looking and taking), and the kernel drops it when the process ends, even
+    killed, so a crashed stack's directory is free again (and its leftover servers are
+    stopped by the next stack there, servers.py). The descriptor is not inherited by
+    children. How it fails: InstancesTaken when every directory is held.
+    """
+    for number in range(1, INSTANCES_MAX + 1):
+        directory = root / (STATE_NAME if number == 1 else f"{STATE_NAME}-{number}")
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / INSTANCE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return Instance(number, directory, fd)
+    taken = f"{_shown(root)}/{STATE_NAME}*"
+    raise InstancesTaken(f"{INSTANCES_MAX} dev stacks already run from this checkout (they hold {taken})")
+
+
+def instance_release(instance: Instance) -> None:
+    """Give the state directory up (closing the descriptor drops the lock)."""
+    os.close(instance.lock_fd)
+
+
+def _database_choose(instance: Instance) -> str:
+    """Where this stack's database is, for its start-up output. The first stack uses the
+    settings' default (var/db.sqlite3, iotqueue/settings.py) when DATABASE_URL is unset; another gets its own
+    SQLite file in its state directory, set as DATABASE_URL for this process and every child
+    (and the `export` line), so two stacks never migrate and seed one file at once."""
+    if os.environ.get("DATABASE_URL"):
+        return "DATABASE_URL"
+    if instance.number == 1:
+        return _shown(STATE_ROOT / "db.sqlite3")
+    database = instance.directory / "db.sqlite3"
+    os.environ["DATABASE_URL"] = f"sqlite:///{database}"
+    return _shown(database)
+
+
+def _services_start(servers: list[EmbeddedServer], state_dir: Path) -> dict[str, str]:
     env = {}
     if not os.environ.get("REDIS_URL"):
-        servers.append(redis_start(STATE_DIR))
+        servers.append(redis_start(state_dir))
         env["REDIS_URL"] = servers[-1].url
     if not os.environ.get("MQTT_URL"):
-        servers.append(mqtt_broker_start(STATE_DIR))
+        servers.append(mqtt_broker_start(state_dir))
         env["MQTT_URL"] = servers[-1].url
         env["IOTQUEUE_MQTT_AUTH"] = servers[-1].auth
     started = [f"{server.kind} on port {server.port}" for server in servers]
@@ -108,11 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
 
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        instance = instance_claim()
+    except InstancesTaken as exc:
+        print(f"devstack: {exc}", file=sys.stderr)
+        return 1
+    state_dir = instance.directory
     servers: list[EmbeddedServer] = []
     print("iotqueue dev stack")
     try:
-        os.environ.update(_services_start(servers))
+        database = _database_choose(instance)
+        print(f"  files in {_shown(state_dir)}, database {database}")
+        os.environ.update(_services_start(servers, state_dir))
         _environment_prepare()
         import django
         from django.core.management import CommandError, call_command
@@ -138,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         # Every run event of the demo is delivered to a receiver in this process.
         call_command("webhook_demo", url=_webhook_receiver_start(), stdout=io.StringIO())
         print("  database migrated, demo devices and templates ready")
-        with Supervisor(STATE_DIR / "logs", dict(os.environ)) as supervisor:
-            web_port = _children_start(supervisor)
+        with Supervisor(state_dir / "logs", dict(os.environ)) as supervisor:
+            web_port = _children_start(supervisor, state_dir)
             block = access_block(
                 web_url=f"http://127.0.0.1:{web_port}",
                 api_token=token,
@@ -166,7 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in reversed(servers):
             server.stop()
+        instance_release(instance)
         print("dev stack stopped")
+
+
+def _shown(path: Path) -> str:
+    """A path as the start-up output names it: relative to the checkout when inside it."""
+    return str(path.relative_to(BASE_DIR)) if path.is_relative_to(BASE_DIR) else str(path)
 
 
 def _environment_prepare() -> None:
@@ -212,7 +297,7 @@ def _web_start(supervisor: Supervisor) -> int:
     raise RuntimeError(f"web: no free port after {WEB_PORT_ATTEMPTS} attempts")
 
 
-def _children_start(supervisor: Supervisor) -> int:
+def _children_start(supervisor: Supervisor, state_dir: Path) -> int:
     """Start every child and wait until each is ready; returns the web server's port."""
     # Logs are appended across runs: readiness is what this run's children write.
     names = ("worker", "worker-io", "beat", "bridge", "web", "simulator")
@@ -222,7 +307,7 @@ def _children_start(supervisor: Supervisor) -> int:
     io_queue = os.environ.get("IOTQUEUE_IO_QUEUE", "iotqueue-io")
     io_argv = [*worker_argv(concurrency=1, hostname="io"), f"--queues={io_queue}"]
     supervisor.start("worker-io", io_argv, restart=True)
-    supervisor.start("beat", beat_argv(STATE_DIR), restart=True)
+    supervisor.start("beat", beat_argv(state_dir), restart=True)
     supervisor.start("bridge", manage_argv("bridge"), restart=True)
     web_port = _web_start(supervisor)
     supervisor.start(
@@ -234,7 +319,7 @@ def _children_start(supervisor: Supervisor) -> int:
             "--latency-ms",
             "200,700",
             "--stats-file",
-            str(STATE_DIR / "sim.json"),
+            str(state_dir / "sim.json"),
         ),
     )
     ready = {

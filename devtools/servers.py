@@ -7,6 +7,7 @@ import pwd
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ PORT_ATTEMPTS = 5
 POLL_SECONDS = 0.02
 # Enough of a server log to show why it failed, short enough to read in an exception message.
 LOG_TAIL_CHARS = 2000
+# The state column of a listening socket in /proc/net/tcp (TCP_LISTEN in the kernel's tcp_states.h).
+TCP_LISTEN = "0A"
 # Linux <sys/prctl.h>: ask the kernel to signal the child when the thread that forked it dies.
 PR_SET_PDEATHSIG = 1
 # Extra directories searched for server binaries: Debian installs mosquitto in /usr/sbin.
@@ -296,6 +299,9 @@ def _terminate(process: subprocess.Popen, pidfile: Path) -> None:
 def _wait_ready(launch: _Launch, process: subprocess.Popen, port: int, log_offset: int) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_SECONDS
     while True:
+        # Whether it exited, before reading the log: a server that failed to bind wrote so
+        # before it exited, so the log read next holds the reason.
+        exited = process.poll() is not None
         with launch.log.open("rb") as log:
             log.seek(log_offset)
             output = log.read().decode(errors="replace")
@@ -303,15 +309,42 @@ def _wait_ready(launch: _Launch, process: subprocess.Popen, port: int, log_offse
         # amqtt keeps running after a failed bind, so the log is the only reliable signal.
         if "address already in use" in output.lower():
             raise _PortTaken(f"{launch.kind}: port {port} taken")
-        if process.poll() is not None:
+        if exited:
             raise ServerStartError(f"{launch.kind} exited with {process.returncode}; log:\n{tail}")
         if launch.answers(port):
+            # Another server of the same kind (another stack's, which took the port after
+            # free_port() probed it) answers too, before ours has even tried to bind: ready
+            # only once the listening socket is our process's.
+            if _listener_owned(process.pid, port) is False:
+                raise _PortTaken(f"{launch.kind}: port {port} taken by another server")
             return
         if time.monotonic() > deadline:
             raise ServerStartError(
                 f"{launch.kind} not answering on {HOST}:{port} after {READY_TIMEOUT_SECONDS}s; log:\n{tail}"
             )
         time.sleep(POLL_SECONDS)
+
+
+def _listener_owned(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the socket listening on HOST:port, from Linux's /proc
+    (/proc/net/tcp names the socket's inode, /proc/<pid>/fd the process's sockets); None
+    where /proc cannot tell (not Linux)."""
+    # /proc/net/tcp prints the address as the native-endian hex of its network-order bytes.
+    local = f"{struct.unpack('=I', socket.inet_aton(HOST))[0]:08X}:{port:04X}"
+    try:
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+        descriptors = list((Path("/proc") / str(pid) / "fd").iterdir())
+    except OSError:
+        return None
+    inodes = {fields[9] for fields in map(str.split, table) if fields[1] == local and fields[3] == TCP_LISTEN}
+    for descriptor in descriptors:
+        try:
+            target = os.readlink(descriptor)
+        except OSError:  # closed since it was listed
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 # Runs in the child before the server: PR_SET_PDEATHSIG survives execve, so the server gets

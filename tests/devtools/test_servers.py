@@ -231,3 +231,21 @@ def test_start_moves_to_another_port_when_the_probed_one_is_taken(
             assert server.url.startswith(("redis://", "mqtt://"))
             assert not _refuses(server.port)
         assert "address already in use" in (server.workdir / f"{server.name}.log").read_text().lower()
+
+
+@pytest.mark.parametrize("start", ["redis_start", "mqtt_broker_start"])
+def test_start_moves_on_when_another_server_of_its_kind_answers_on_the_probed_port(
+    mode: str, start: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # given another stack's server on the port this start probes first (it would answer the
+    # readiness probe before this server's bind fails)
+    with getattr(servers, start)(tmp_path / "other") as other:
+        probes = iter([other.port])
+        real_free_port = servers.free_port
+        monkeypatch.setattr(servers, "free_port", lambda: next(probes, None) or real_free_port())
+        # when the server starts
+        with getattr(servers, start)(tmp_path / "own") as server:
+            # then it runs on another port, as its own listener, and the other server still serves
+            assert server.port != other.port
+            assert servers._listener_owned(server.process.pid, server.port)
+            assert servers._listener_owned(other.process.pid, other.port)
