@@ -232,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             except CommandError as exc:
                 print(f"demo: {exc}")
                 demo_ok = False
+            except Exception as exc:
+                # The demo is a client of the stack: whatever stops it (a database restarting
+                # before it follows its runs) leaves the stack itself running.
+                print(f"demo: stopped by {type(exc).__name__}: {exc}".splitlines()[0])
+                demo_ok = False
             print(block)
             if args.exit_when_done or stop.is_set():
                 return 0 if demo_ok else 1

@@ -15,15 +15,15 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 from django.db import connection
 
 from devices.models import Device
+from devtools import pg_restart
 from devtools.simulator import DeviceBehaviour, Simulator
 from jobs.models import RUN_TERMINAL, JobRun, RunStatus
 from jobs.services import run_start
-from tests.conftest import wait_for
+from tests.conftest import database_url, wait_for
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = [
@@ -40,31 +40,13 @@ HELD_LINE = re.compile(r"a handler met an outage; holding messages")
 
 @contextlib.contextmanager
 def database_restarting() -> Iterator[None]:
-    """The test database down for the body of the `with`: its connections ended as a
-    PostgreSQL shutdown ends them, new ones refused; then up again."""
-    db = connection.settings_dict
-    name = db["NAME"]
-    maintenance = psycopg.connect(
-        host=db["HOST"] or "127.0.0.1",
-        port=db["PORT"] or 5432,
-        user=db["USER"],
-        password=db["PASSWORD"] or None,
-        dbname="postgres",
-        autocommit=True,
-    )
-    quoted = psycopg.sql.Identifier(name)
+    """The test database down for the body of the `with` (devtools/pg_restart.py); then this
+    process's own connection, ended too, is closed so that the next query opens one."""
     try:
-        maintenance.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(quoted))
-        maintenance.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = %s AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        yield
+        with pg_restart.database_restarting(database_url(), connection.settings_dict["NAME"]):
+            yield
     finally:
-        maintenance.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(quoted))
-        maintenance.close()
-        connection.close()  # this process's connection was ended too: the next query opens one
+        connection.close()
 
 
 def online(name: str) -> bool:
