@@ -35,9 +35,10 @@ from iotqueue.redis_conn import lock_redis_connection, redis_key
 
 from .locks import (
     Grant,
+    LockBatch,
     device_lock_expired,
     device_lock_pass_on,
-    device_lock_restore,
+    device_locks_apply,
     holder_parse,
     lock_epoch_exists,
     lock_epoch_start,
@@ -51,6 +52,8 @@ LEASE_CLAIM_BATCH = 500
 LEASE_CLAIM_SECONDS = 30.0
 # Only one process rebuilds the locks at a time; this bounds a crashed rebuilder's hold.
 REBUILD_LOCK_SECONDS = 60
+# Devices restored per lock call while rebuilding (one round trip each, per shard on a cluster).
+REBUILD_BATCH = 1000
 LEASE_RECLAIM_TASK = "devices.lease_reclaim"
 
 
@@ -122,8 +125,10 @@ def locks_rebuild() -> bool:
     """Rebuild device locks from the registered sources after Redis lost them.
 
     Runs in one process at a time. Fence counters are raised to the highest fence the
-    sources have seen, each executing holder gets its lock back, then grants resume and the
-    after-rebuild hooks let waiting holders ask again. False if another process is at it.
+    sources have seen, each executing holder gets its lock back (restores in batches of
+    REBUILD_BATCH, through the lock script like every other lock change), then grants
+    resume and the after-rebuild hooks let waiting holders ask again. False if another
+    process is at it.
     """
     conn = lock_redis_connection()
     if not conn.set(redis_key("lock-rebuild"), "1", nx=True, ex=REBUILD_LOCK_SECONDS):
@@ -131,9 +136,10 @@ def locks_rebuild() -> bool:
     try:
         log.warning("device locks: Redis has no lock state; rebuilding")
         restored = 0
+        batch = LockBatch()
         for source in _rebuild_sources:
             for record in source():
-                device_lock_restore(
+                batch.restore(
                     record.device,
                     holder=record.holder,
                     fence=record.fence,
@@ -141,6 +147,10 @@ def locks_rebuild() -> bool:
                     lease_seconds=record.lease_seconds,
                 )
                 restored += record.holder is not None
+                if len(batch.ops) >= REBUILD_BATCH:
+                    device_locks_apply(batch)
+                    batch = LockBatch()
+        device_locks_apply(batch)
         lock_epoch_start()
         for hook in _rebuild_after:
             hook()

@@ -1,10 +1,17 @@
-"""Per-device lock: lease + fencing token + FIFO hand-off, atomic in Redis (Lua in lua/).
+"""Per-device lock: lease + fencing token + FIFO hand-off, atomic in Redis (lua/transition.lua).
 
 A device executes one command at a time. `device_lock_acquire` grants the lock with a new
 fencing token, or puts the caller in the device's wait queue (priority, then arrival).
 `device_lock_release` by the current holder hands the lock straight to the head of the
 queue and returns that grant, so the caller can dispatch the next holder at once: nobody
 polls and no worker waits.
+
+One script makes every change: `lua/transition.lua` applies a LockBatch (acquires,
+releases, extends, the reclaim of expired leases, the restore after a Redis loss) in one
+atomic call per shard. The single operations here (`device_lock_acquire`, `_release`,
+`_extend`, `_expired`, `_restore`) are batches of one, so the batched path and the
+one-at-a-time path follow the same rules; each is one round trip. Only reads and
+`device_lock_dequeue` (one ZREM, atomic on its own) use plain commands.
 
 How it fails: Redis being unreachable raises redis.RedisError to the caller (the task is
 retried or the monitor rescues the step). A holder that dies keeps the lock until its
@@ -116,14 +123,9 @@ def _keys(device: str) -> dict[str, str]:
 
 
 @functools.cache
-def _script(name: str) -> Script:
+def _transition() -> Script:
     # Not bound to a client: each call names the lock Redis of the moment.
-    return Script(None, (LUA_DIR / f"{name}.lua").read_bytes())
-
-
-def _call(name: str, keys: list, args: list) -> Any:
-    """One script call (Script loads the script into a server that lacks it and retries)."""
-    return _script(name)(keys=keys, args=args, client=lock_redis_connection())
+    return Script(None, (LUA_DIR / "transition.lua").read_bytes())
 
 
 def scripts_call(calls: Sequence[tuple[Script, Sequence, Sequence]]) -> list:
@@ -202,6 +204,9 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+# --- the single operations: batches of one ------------------------------------------------
+
+
 def device_lock_acquire(
     device: str, *, holder: str, priority: int, lease_seconds: float
 ) -> Grant | Queued | NotReady:
@@ -210,15 +215,9 @@ def device_lock_acquire(
     NotReady means Redis restarted and lost every lock: the caller must leave its holder
     waiting until `lock_epoch_start` has run after the locks were rebuilt.
     """
-    k = _keys(device)
-    granted, value = _call(
-        "acquire",
-        keys=[k["lock"], k["fence"], k["queue"], k["leases"], k["seq"], k["epoch"]],
-        args=[holder, priority, _ms(lease_seconds), device],
-    )
-    if granted == -1:
-        return NotReady()
-    return Grant(holder, int(value)) if granted else Queued(int(value))
+    batch = LockBatch()
+    batch.acquire(device, holder=holder, priority=priority, lease_seconds=lease_seconds)
+    return device_locks_apply(batch)[0]
 
 
 def device_lock_release(
@@ -230,28 +229,61 @@ def device_lock_release(
     release changes nothing). `force` releases whoever holds it (operator, monitor).
     The next holder's lease is IOTQUEUE_HANDOFF_LEASE_SECONDS unless `lease_seconds` says.
     """
-    if lease_seconds is None:
-        lease_seconds = settings.IOTQUEUE_HANDOFF_LEASE_SECONDS
-    k = _keys(device)
-    reply = _call(
-        "release",
-        keys=[k["lock"], k["fence"], k["queue"], k["leases"]],
-        args=[holder, fence, _ms(lease_seconds), device, "force" if force else ""],
-    )
-    if reply[0] == 1:
-        return Grant(reply[1], int(reply[2]))
-    return None
+    batch = LockBatch()
+    batch.release(device, holder=holder, fence=fence, lease_seconds=lease_seconds, force=force)
+    return device_locks_apply(batch)[0]
+
+
+def device_lock_extend(device: str, *, holder: str, fence: int, lease_seconds: float) -> bool:
+    """Push the lease out to now + lease_seconds; False when the caller lost the lock."""
+    batch = LockBatch()
+    batch.extend(device, holder=holder, fence=fence, lease_seconds=lease_seconds)
+    return device_locks_apply(batch)[0]
+
+
+def device_lock_expired(*, limit: int, claim_seconds: float) -> list[tuple[str, Grant]]:
+    """Devices whose holder's lease ran out, with that holder's grant, for reclaiming.
+
+    Each returned lease is pushed out by `claim_seconds` so a concurrent or next monitor
+    tick does not reclaim it twice. Every shard's lease index is read: one round trip
+    counts what expired per shard (the only one when nothing did), one more claims up to
+    `limit` of them in all, shared fairly among the shards (`fair_shares`).
+    """
+    now = int(time.time() * 1000)
+    shards = range(lock_shards())
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for shard in shards:
+            pipe.zcount(shard_key("leases", shard), "-inf", now)
+        counts = pipe.execute()
+    batch = LockBatch()
+    for shard, share in zip(shards, fair_shares(counts, limit), strict=True):
+        if share:
+            batch.reclaim(shard, limit=share, claim_seconds=claim_seconds, now_ms=now)
+    return [claim for claims in device_locks_apply(batch) for claim in claims]
+
+
+def device_lock_restore(
+    device: str, *, holder: str | None, fence: int, floor: int, lease_seconds: float
+) -> None:
+    """Rebuild a device's lock from the database: its executing holder and fence floor."""
+    batch = LockBatch()
+    batch.restore(device, holder=holder, fence=fence, floor=floor, lease_seconds=lease_seconds)
+    device_locks_apply(batch)
+
+
+# --- batches ------------------------------------------------------------------------------
 
 
 @dataclass
 class LockBatch:
-    """Lock operations on many devices, applied in one Redis round trip, in order per device.
+    """Lock operations on many devices, applied in one Redis round trip, in order per shard.
 
     A batch of step transitions releases the locks of the attempts that ended (each
     handing its device to the head of the queue) and acquires for the steps that start,
     with writes to a sorted set (the jobs app's deadlines) that depend on whether each
     acquire was granted: one round trip instead of two per step. Add the releases before
     the acquires, so a device released and acquired in one batch serves its queue first.
+    The single operations (`device_lock_acquire` ...) are batches of one.
 
     The sorted set is sharded like the locks: an acquire's conditional writes go to its
     device's shard; unconditional writes name their shard (`zset_add`, `zset_remove`).
@@ -261,10 +293,23 @@ class LockBatch:
     # shard -> {"zadd": {member: score}, "zrem": [member]}: written whatever the outcomes
     writes: dict[int, dict[str, Any]] = field(default_factory=dict)
 
-    def release(self, device: str, *, holder: str, fence: int) -> int:
-        """Release (and hand on, lease IOTQUEUE_HANDOFF_LEASE_SECONDS); returns the op's index."""
-        lease = _ms(settings.IOTQUEUE_HANDOFF_LEASE_SECONDS)
-        self.ops.append({"o": "r", "d": device, "h": holder, "f": fence, "l": lease})
+    def release(
+        self,
+        device: str,
+        *,
+        holder: str,
+        fence: int,
+        lease_seconds: float | None = None,
+        force: bool = False,
+    ) -> int:
+        """Release (and hand on; the next holder's lease is IOTQUEUE_HANDOFF_LEASE_SECONDS
+        unless `lease_seconds` says); `force` releases whoever holds it. Returns the op's index."""
+        if lease_seconds is None:
+            lease_seconds = settings.IOTQUEUE_HANDOFF_LEASE_SECONDS
+        op = {"o": "r", "d": device, "h": holder, "f": fence, "l": _ms(lease_seconds)}
+        if force:
+            op["x"] = True
+        self.ops.append(op)
         return len(self.ops) - 1
 
     def acquire(
@@ -279,23 +324,35 @@ class LockBatch:
     ) -> int:
         """Acquire; `on_grant` / `on_queue` are {member: score} written, per the outcome, to
         the device's shard of the sorted set."""
-        self.ops.append(
-            {
-                "o": "a",
-                "d": device,
-                "h": holder,
-                "p": priority,
-                "l": _ms(lease_seconds),
-                "g": [[score, member] for member, score in (on_grant or {}).items()],
-                "q": [[score, member] for member, score in (on_queue or {}).items()],
-            }
-        )
+        op: dict[str, Any] = {"o": "a", "d": device, "h": holder, "p": priority, "l": _ms(lease_seconds)}
+        if on_grant:
+            op["g"] = [[score, member] for member, score in on_grant.items()]
+        if on_queue:
+            op["q"] = [[score, member] for member, score in on_queue.items()]
+        self.ops.append(op)
         return len(self.ops) - 1
 
     def extend(self, device: str, *, holder: str, fence: int, lease_seconds: float) -> int:
         """Push the lease out to now + lease_seconds if holder and fence still hold it
         (`device_lock_extend`); its outcome is True, or False when the caller lost the lock."""
         self.ops.append({"o": "e", "d": device, "h": holder, "f": fence, "l": _ms(lease_seconds)})
+        return len(self.ops) - 1
+
+    def reclaim(self, shard: int, *, limit: int, claim_seconds: float, now_ms: int) -> int:
+        """Claim up to `limit` leases of `shard` that ran out by `now_ms`, pushing each out by
+        `claim_seconds`; the outcome lists (device, the expired holder's Grant)."""
+        prefix = redis_key("lock", shard_tag(shard), "")
+        op = {"o": "c", "shard": shard, "t": now_ms, "n": limit, "l": _ms(claim_seconds), "p": prefix}
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def restore(
+        self, device: str, *, holder: str | None, fence: int, floor: int, lease_seconds: float
+    ) -> int:
+        """Rebuild a lock after a Redis loss (`device_lock_restore`): the fence counter rises
+        to `floor`, an executing `holder` gets the lock back under `fence`. Outcome None."""
+        op = {"o": "s", "d": device, "h": holder or "", "f": fence, "m": floor, "l": _ms(lease_seconds)}
+        self.ops.append(op)
         return len(self.ops) - 1
 
     def zset_add(self, members: dict[str, float], *, shard: int) -> None:
@@ -308,90 +365,90 @@ class LockBatch:
             self.writes.setdefault(shard, {"zadd": {}, "zrem": []})["zrem"].extend(members)
 
 
-def device_locks_apply(
-    batch: LockBatch, *, zset: Callable[[int], str]
-) -> list[Grant | Queued | NotReady | bool | None]:
-    """Apply a LockBatch; one outcome per op, in order. `zset(shard)` names the sorted set's
-    key of a shard (it must carry `shard_tag(shard)`).
+Outcome = Grant | Queued | NotReady | bool | list[tuple[str, Grant]] | None
+
+
+def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = None) -> list[Outcome]:
+    """Apply a LockBatch with transition.lua; one outcome per op, in order. `zset(shard)`
+    names the sorted set's key of a shard (it must carry `shard_tag(shard)`); a batch
+    without sorted-set writes needs none.
 
     A release gives the Grant it handed the lock on with, or None (free now, or the caller
     no longer held it: stale, nothing changed). An acquire gives Grant, Queued or NotReady,
     as `device_lock_acquire`. An extend gives True, or False when the caller no longer held
-    the lock. Fails as the single calls do: RedisError to the caller. On a
-    single Redis the batch is one script call, applied whole or not at all; on a cluster it
-    is one call per shard, each whole or not at all (a node failing mid-batch leaves the
-    other shards' calls applied: what the caller then leaves uncommitted ends as a lost
-    worker's batch does, by lease expiry and the monitor's sweep).
+    the lock. A reclaim gives its list of (device, Grant); a restore None. Fails with
+    RedisError to the caller. On a single Redis the batch is one script call, applied whole
+    or not at all; on a cluster it is one call per shard, each whole or not at all (a node
+    failing mid-batch leaves the other shards' calls applied: what the caller then leaves
+    uncommitted ends as a lost worker's batch does, by lease expiry and the monitor's sweep).
     """
     if not batch.ops and not batch.writes:
         return []
     by_shard: dict[int, list[int]] = {}
     for index, op in enumerate(batch.ops):
-        by_shard.setdefault(lock_shard(op["d"]), []).append(index)
+        by_shard.setdefault(op["shard"] if op["o"] == "c" else lock_shard(op["d"]), []).append(index)
     for shard in batch.writes:
         by_shard.setdefault(shard, [])
+    if zset is None and (batch.writes or any("g" in op or "q" in op for op in batch.ops)):
+        raise ValueError("a LockBatch with sorted-set writes needs zset")
     # One call per shard on a cluster (one hash slot each), one call for all of them otherwise.
-    cluster = isinstance(lock_redis_connection(), RedisCluster)
-    calls = [[shard] for shard in by_shard] if cluster else [list(by_shard)]
+    conn = lock_redis_connection()
+    calls = [[shard] for shard in by_shard] if isinstance(conn, RedisCluster) else [list(by_shard)]
     requests = []
     for shards in calls:
         keys: list[str] = []
-        for shard in shards:
-            keys += [
-                shard_key("leases", shard),
-                shard_key("queue-seq", shard),
-                shard_key("lock-epoch", shard),
-                zset(shard),
-            ]
         groups = []
         for shard in shards:
+            group: dict[str, Any] = {"s": len(keys) + 1}
+            keys += [shard_key(name, shard) for name in ("leases", "queue-seq", "lock-epoch")]
+            if zset is not None:
+                group["z"] = len(keys) + 1
+                keys.append(zset(shard))
             ops = []
             for index in by_shard[shard]:
                 op = batch.ops[index]
+                if op["o"] == "c":
+                    ops.append(op)
+                    continue
                 k = _keys(op["d"])
                 ops.append({**op, "k": len(keys) + 1})
                 keys += [k["lock"], k["fence"], k["queue"]]
-            writes = batch.writes.get(shard, {})
-            zadd = [[score, member] for member, score in writes.get("zadd", {}).items()]
-            groups.append({"ops": ops, "zadd": zadd, "zrem": writes.get("zrem", [])})
-        requests.append((_script("transition"), keys, [json.dumps({"groups": groups})]))
+            group["ops"] = ops
+            writes = batch.writes.get(shard)
+            if writes:
+                group["zadd"] = [[score, member] for member, score in writes["zadd"].items()]
+                group["zrem"] = writes["zrem"]
+            groups.append(group)
+        requests.append((_transition(), keys, [json.dumps({"groups": groups})]))
+    if len(requests) == 1:
+        # One call (a single operation, or a single Redis): sent as is, one round trip.
+        script, keys, args = requests[0]
+        replies = [script(keys=keys, args=args, client=conn)]
+    else:
+        replies = scripts_call(requests)
     results: list = [None] * len(batch.ops)
-    for shards, reply in zip(calls, scripts_call(requests), strict=True):
+    for shards, reply in zip(calls, replies, strict=True):
         # cjson writes an empty list as {}: read it as an empty one.
         for shard, group in zip(shards, json.loads(reply) or [], strict=True):
             for index, result in zip(by_shard[shard], group or [], strict=True):
                 results[index] = result
-    outcomes: list[Grant | Queued | NotReady | bool | None] = []
-    for op, result in zip(batch.ops, results, strict=True):
-        if op["o"] == "e":
-            outcomes.append(result[0] == 1)
-        elif op["o"] == "r":
-            outcomes.append(Grant(result[1], int(result[2])) if result[0] == 1 else None)
-        elif result[0] == 1:
-            outcomes.append(Grant(op["h"], int(result[1])))
-        elif result[0] == 0:
-            outcomes.append(Queued(int(result[1])))
-        else:
-            outcomes.append(NotReady())
-    return outcomes
+    return [_outcome(op, result) for op, result in zip(batch.ops, results, strict=True)]
 
 
-def device_lock_extend(
-    device: str, *, holder: str, fence: int, lease_seconds: float, pipe: Any = None
-) -> bool:
-    """Push the lease out to now + lease_seconds; False when the caller lost the lock.
-
-    With `pipe` (a pipeline of a single lock Redis: a cluster's pipelines refuse scripts,
-    use `LockBatch.extend` there) the call joins that pipeline (and its answer comes with
-    the pipeline's).
-    """
-    k = _keys(device)
-    answer = _script("extend")(
-        keys=[k["lock"], k["leases"]],
-        args=[holder, fence, _ms(lease_seconds), device],
-        client=pipe if pipe is not None else lock_redis_connection(),
-    )
-    return bool(answer)
+def _outcome(op: dict, result: Any) -> Outcome:
+    kind = op["o"]
+    if kind == "a":
+        if result[0] == 1:
+            return Grant(op["h"], int(result[1]))
+        return Queued(int(result[1])) if result[0] == 0 else NotReady()
+    if kind == "r":
+        return Grant(result[1], int(result[2])) if result[0] == 1 else None
+    if kind == "e":
+        return result[0] == 1
+    if kind == "c":
+        flat = result or []
+        return [(flat[i], Grant(flat[i + 1], int(flat[i + 2]))) for i in range(0, len(flat), 3)]
+    return None
 
 
 def device_lock_dequeue(device: str, *, holder: str) -> bool:
@@ -472,33 +529,6 @@ def device_queue_depths() -> dict[str, int]:
     }
 
 
-def device_lock_expired(*, limit: int, claim_seconds: float) -> list[tuple[str, Grant]]:
-    """Devices whose holder's lease ran out, with that holder's grant, for reclaiming.
-
-    Each returned lease is pushed out by `claim_seconds` so a concurrent or next monitor
-    tick does not reclaim it twice. Every shard's lease index is read: one round trip
-    counts what expired per shard (the only one when nothing did), one more claims up to
-    `limit` of them in all, shared fairly among the shards (`fair_shares`).
-    """
-    now = int(time.time() * 1000)
-    shards = range(lock_shards())
-    with lock_redis_connection().pipeline(transaction=False) as pipe:
-        for shard in shards:
-            pipe.zcount(shard_key("leases", shard), "-inf", now)
-        counts = pipe.execute()
-    calls = [
-        (
-            _script("expired"),
-            [shard_key("leases", shard)],
-            [now, share, _ms(claim_seconds), redis_key("lock", shard_tag(shard), "")],
-        )
-        for shard, share in zip(shards, fair_shares(counts, limit), strict=True)
-        if share
-    ]
-    flat = [item for reply in (scripts_call(calls) if calls else []) for item in reply]
-    return [(flat[i], Grant(flat[i + 1], int(flat[i + 2]))) for i in range(0, len(flat), 3)]
-
-
 def lock_epoch_keys() -> list[str]:
     """Every shard's epoch key (present while that shard's lock state is complete)."""
     return [shard_key("lock-epoch", shard) for shard in range(lock_shards())]
@@ -519,18 +549,6 @@ def lock_epoch_start() -> None:
         for key in lock_epoch_keys():
             pipe.set(key, str(time.time()))
         pipe.execute()
-
-
-def device_lock_restore(
-    device: str, *, holder: str | None, fence: int, floor: int, lease_seconds: float
-) -> None:
-    """Rebuild a device's lock from the database: its executing holder and fence floor."""
-    k = _keys(device)
-    _call(
-        "restore",
-        keys=[k["lock"], k["fence"], k["leases"]],
-        args=[holder or "", floor, _ms(lease_seconds), device, fence],
-    )
 
 
 # --- hand-off ---------------------------------------------------------------------------

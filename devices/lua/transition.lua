@@ -1,30 +1,50 @@
--- Many lock operations in one atomic call, in order: releases (each handing the lock to
--- the head of its queue) and acquires, with writes to a sorted set (the caller's
--- deadlines) that depend on how each acquire turned out. One round trip for a whole
--- batch of step transitions instead of one per release and one per acquire.
--- The operations come in groups, one per lock shard (devices/locks.py); every key is
--- declared. On a Redis Cluster a call carries one group, so it stays in one hash slot; on
--- a single Redis one call carries every group of the batch.
--- KEYS, for group g (1, 2, ...): KEYS[4g-3] the shard's lease index   KEYS[4g-2] its queue
--- arrival counter   KEYS[4g-1] its epoch   KEYS[4g] its sorted set, where the group's
--- conditional and unconditional writes go; after the groups, each op's lock hash, fence
--- counter and wait queue at KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
--- ARGV[1] JSON: {"groups": [{"ops": [...], "zadd": [[score, member]], "zrem": [member]}]};
--- an op is
---   {"o": "r", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms for the next holder}
---   {"o": "a", "d": device, "k": key index, "h": holder, "p": priority, "l": lease ms,
---    "g": [[score, member]] written when granted, "q": [[score, member]] when not}
+-- The device lock's one script (devices/locks.py): every change to a device lock is made
+-- here. A call applies a list of operations on many devices, atomically and in order:
+-- acquires (a grant or a place in the queue), releases (each handing the lock to the head
+-- of its queue), lease extends, the reclaim of expired leases and the restore of locks
+-- after Redis lost its data; with writes to a sorted set (the caller's deadlines) that
+-- depend on how each acquire turned out. A single operation is a call with one operation.
+-- The operations come in groups, one per lock shard; on a Redis Cluster a call carries one
+-- group, so it stays in one hash slot; on a single Redis one call carries every group.
+-- KEYS, for a group: KEYS[s] the shard's lease index (zset device -> lease expiry ms),
+-- KEYS[s + 1] its queue arrival counter, KEYS[s + 2] its epoch (exists while Redis holds
+-- the lock state; gone after Redis lost its data), and KEYS[z] its part of the sorted set,
+-- when the group writes to one; each device operation's lock hash {holder, fence, since},
+-- fence counter and wait queue (zset) at KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2].
+-- ARGV[1] JSON: {"groups": [{"s": index, "z": index or absent, "ops": [...],
+-- "zadd": [[score, member]], "zrem": [member]}]}; an op is
+--   {"o": "a", "d": device, "k": key index, "h": holder, "p": priority 0..9 (9 most urgent),
+--    "l": lease ms, "g": [[score, member]] written when granted, "q": [[score, member]] when not}
+--   {"o": "r", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms for the
+--    next holder, "x": true to release whoever holds it (operator, monitor)}
 --   {"o": "e", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms}
--- Returns JSON, per group one entry per op: a release gives [1, next holder, next fence]
--- after a hand-off, [0] when the lock is now free, [-1] when the caller no longer held it;
--- an acquire gives [1, fence], [0, queue position], or [-1] while the shard's epoch is
--- missing (Redis lost the lock state: see acquire.lua); an extend gives [1] when the lease
--- was pushed out, [0] when the caller no longer holds the lock. Same rules as release.lua /
--- acquire.lua / extend.lua.
+--   {"o": "c", "t": now ms, "n": at most this many, "l": claim ms, "p": the shard's lock
+--    hash key prefix: a device's lock hash is p .. device, in KEYS[s]'s hash slot}
+--   {"o": "s", "d": device, "k": key index, "h": executing holder or "", "f": its fence,
+--    "m": the highest fence the database saw for the device, "l": lease ms}
+-- Returns JSON, per group one entry per op:
+--   acquire: [1, fence] when granted (also when the caller already holds it: re-acquire is
+--     idempotent, so a redelivered task does not queue behind itself), [0, position] when
+--     queued (once: asking again keeps the place), or [-1] while the shard's epoch is
+--     missing: granting then could hand a device still executing a command to a second
+--     holder, so nothing is granted until the lock state has been rebuilt (op "s").
+--   release: [1, next holder, next fence] after a hand-off, [0] when the lock is now free,
+--     [-1] when the caller no longer held it (stale: nothing changes).
+--   extend: [1] when the lease was pushed out to now + l, [0] when the caller no longer
+--     holds the lock.
+--   reclaim: [device, holder, fence, device, ...]: up to n devices of the shard whose lease
+--     ran out by t, each lease pushed out to t + l so the next monitor tick does not claim
+--     it again while it is being reclaimed (a lease entry without a lock is dropped).
+--   restore: [1]; the fence counter is raised to m (tokens keep increasing) and an
+--     executing holder gets its lock back, unless the lock is held already.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local req = cjson.decode(ARGV[1])
 local out = {}
+
+-- Lower score is served first: priority band, then arrival order within the band.
+-- 2^40 arrivals per band fit exactly in a double's 53-bit mantissa.
+local BAND = 1099511627776
 
 local function zadd_all(zset, pairs)
   for _, p in ipairs(pairs or {}) do
@@ -32,34 +52,11 @@ local function zadd_all(zset, pairs)
   end
 end
 
-local function release(g, op)
-  local lock, fence_key, queue = KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
-  if redis.call('HGET', lock, 'holder') ~= op.h or redis.call('HGET', lock, 'fence') ~= tostring(op.f) then
-    return {-1}
-  end
-  local head = redis.call('ZPOPMIN', queue)
-  if #head == 0 then
-    redis.call('DEL', lock)
-    redis.call('ZREM', KEYS[g + 1], op.d)
-    return {0}
-  end
-  local fence = redis.call('INCR', fence_key)
-  redis.call('HSET', lock, 'holder', head[1], 'fence', fence, 'since', now)
-  redis.call('ZADD', KEYS[g + 1], now + op.l, op.d)
-  return {1, head[1], fence}
+local function holds(lock, op)
+  return redis.call('HGET', lock, 'holder') == op.h and redis.call('HGET', lock, 'fence') == tostring(op.f)
 end
 
-local function extend(g, op)
-  local lock = KEYS[op.k]
-  if redis.call('HGET', lock, 'holder') ~= op.h or redis.call('HGET', lock, 'fence') ~= tostring(op.f) then
-    return {0}
-  end
-  redis.call('ZADD', KEYS[g + 1], now + op.l, op.d)
-  return {1}
-end
-
-local function acquire(g, ready, op)
-  local zset = KEYS[g + 4]
+local function acquire(s, zset, ready, op)
   if not ready then
     zadd_all(zset, op.q)
     return {-1}
@@ -73,35 +70,106 @@ local function acquire(g, ready, op)
   if not holder and redis.call('ZCARD', queue) == 0 then
     local fence = redis.call('INCR', fence_key)
     redis.call('HSET', lock, 'holder', op.h, 'fence', fence, 'since', now)
-    redis.call('ZADD', KEYS[g + 1], now + op.l, op.d)
+    redis.call('ZADD', KEYS[s], now + op.l, op.d)
     zadd_all(zset, op.g)
     return {1, fence}
   end
   if not redis.call('ZSCORE', queue, op.h) then
-    local seq = redis.call('INCR', KEYS[g + 2])
-    redis.call('ZADD', queue, (9 - op.p) * 1099511627776 + seq, op.h)
+    local seq = redis.call('INCR', KEYS[s + 1])
+    redis.call('ZADD', queue, (9 - op.p) * BAND + seq, op.h)
   end
   zadd_all(zset, op.q)
   return {0, redis.call('ZRANK', queue, op.h) + 1}
 end
 
-for i, group in ipairs(req.groups) do
-  -- g: offset of the group's shard keys (KEYS[g + 1] .. KEYS[g + 4])
-  local g = 4 * (i - 1)
-  local ready = redis.call('EXISTS', KEYS[g + 3]) == 1
-  local results = {}
-  for _, op in ipairs(group.ops or {}) do
-    if op.o == 'r' then
-      table.insert(results, release(g, op))
-    elseif op.o == 'e' then
-      table.insert(results, extend(g, op))
+local function release(s, op)
+  local lock, fence_key, queue = KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
+  if not op.x and not holds(lock, op) then
+    return {-1}
+  end
+  local head = redis.call('ZPOPMIN', queue)
+  if #head == 0 then
+    redis.call('DEL', lock)
+    redis.call('ZREM', KEYS[s], op.d)
+    return {0}
+  end
+  local fence = redis.call('INCR', fence_key)
+  redis.call('HSET', lock, 'holder', head[1], 'fence', fence, 'since', now)
+  redis.call('ZADD', KEYS[s], now + op.l, op.d)
+  return {1, head[1], fence}
+end
+
+local function extend(s, op)
+  if not holds(KEYS[op.k], op) then
+    return {0}
+  end
+  redis.call('ZADD', KEYS[s], now + op.l, op.d)
+  return {1}
+end
+
+local function reclaim(s, op)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[s], '-inf', op.t, 'LIMIT', 0, op.n)
+  local claimed = {}
+  for _, device in ipairs(due) do
+    local lock = op.p .. device
+    local holder = redis.call('HGET', lock, 'holder')
+    if holder then
+      redis.call('ZADD', KEYS[s], op.t + op.l, device)
+      table.insert(claimed, device)
+      table.insert(claimed, holder)
+      table.insert(claimed, redis.call('HGET', lock, 'fence'))
     else
-      table.insert(results, acquire(g, ready, op))
+      redis.call('ZREM', KEYS[s], device)
     end
   end
-  zadd_all(KEYS[g + 4], group.zadd)
+  return claimed
+end
+
+local function restore(s, op)
+  local lock, fence_key = KEYS[op.k], KEYS[op.k + 1]
+  if tonumber(redis.call('GET', fence_key) or '0') < op.m then
+    redis.call('SET', fence_key, op.m)
+  end
+  if op.h ~= '' and not redis.call('HGET', lock, 'holder') then
+    redis.call('HSET', lock, 'holder', op.h, 'fence', op.f, 'since', now)
+    redis.call('ZADD', KEYS[s], now + op.l, op.d)
+  end
+  return {1}
+end
+
+-- An unknown operation is refused before anything is written (a script is not rolled back).
+local KINDS = {a = true, r = true, e = true, c = true, s = true}
+for _, group in ipairs(req.groups) do
+  for _, op in ipairs(group.ops or {}) do
+    if not KINDS[op.o] then
+      return redis.error_reply('transition.lua: unknown operation ' .. tostring(op.o))
+    end
+  end
+end
+
+for _, group in ipairs(req.groups) do
+  local s = group.s
+  local zset = group.z and KEYS[group.z]
+  local ready = redis.call('EXISTS', KEYS[s + 2]) == 1
+  local results = {}
+  for _, op in ipairs(group.ops or {}) do
+    local result
+    if op.o == 'a' then
+      result = acquire(s, zset, ready, op)
+    elseif op.o == 'r' then
+      result = release(s, op)
+    elseif op.o == 'e' then
+      result = extend(s, op)
+    elseif op.o == 'c' then
+      result = reclaim(s, op)
+    else
+      result = restore(s, op)
+    end
+    table.insert(results, result)
+  end
+  zadd_all(zset, group.zadd)
   if #(group.zrem or {}) > 0 then
-    redis.call('ZREM', KEYS[g + 4], unpack(group.zrem))
+    redis.call('ZREM', zset, unpack(group.zrem))
   end
   -- An empty Lua table encodes as {} (an object): the caller reads a missing list as empty.
   table.insert(out, results)
