@@ -55,9 +55,12 @@ run: $(RUN_STAMP) $(CATALOGUES)
 
 ## Flower, Celery's web monitor, on http://127.0.0.1:5555 against REDIS_URL's broker (with
 ## `make run`, paste its `export` line first). Optional: installs requirements/lock-flower.txt.
+## Its task list shows args and kwargs, where engine tasks name their runs (the browser tier
+## starts Flower with this line's options).
 flower: install
 	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-flower.txt
-	$(BIN)/celery -A iotqueue flower --address=127.0.0.1 --port=5555
+	$(BIN)/celery -A iotqueue flower --address=127.0.0.1 --port=5555 \
+		--tasks_columns=name,uuid,state,args,kwargs,received,runtime,worker
 
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
 ## first installs GNU gettext and promtool when missing (as root): the catalogue test extracts
