@@ -16,7 +16,7 @@ class JobsConfig(AppConfig):
             rebuild_source_register,
         )
         from devices.locks import grant_handler_register
-        from devices.presence import device_presence_changed
+        from devices.presence import devices_presence_changed
         from iotqueue.bridge import BRIDGE_MESSAGES, dynamic_topics_register, handler_register
         from iotqueue.budget import drop_sink_register
         from iotqueue.metrics import family_values_add
@@ -53,16 +53,22 @@ class JobsConfig(AppConfig):
         family_values_add(BRIDGE_MESSAGES, *metrics.BRIDGE_MESSAGE_KINDS)
         # /metrics reports runs, steps, the fleet, stuck runs, the inbox and the beat lease as they stand.
         gauges.gauges_register()
-        device_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
+        devices_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
         # A canvas command's run ending sends its Celery canvas on (jobs/canvas.py).
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
         # The monitor tick and retention, fired by beat (jobs/beat.py).
         beat.beat_entries_register(current_app)
 
 
-# The task that lets runs react to a device's presence (jobs/tasks.py), by name.
-PRESENCE_TASK = "jobs.device_presence"
+# The task that lets runs react to devices' presence (jobs/tasks.py), by name.
+PRESENCE_TASK = "jobs.devices_presence"
 
 
-def _presence_changed(sender, *, name: str, online: bool, **kwargs) -> None:
-    current_app.signature(PRESENCE_TASK, args=(name, online)).delay()
+def _presence_changed(sender, *, changes: list[tuple[str, bool]], **kwargs) -> None:
+    """One task for a presence group's changes ([[name, online], ...]), however many devices."""
+    shown = ", ".join(f"{name}:{'online' if online else 'offline'}" for name, online in changes[:3])
+    more = f", +{len(changes) - 3}" if len(changes) > 3 else ""
+    argsrepr = f"devices=[{shown}{more}]"
+    current_app.signature(PRESENCE_TASK, args=([list(change) for change in changes],)).apply_async(
+        argsrepr=argsrepr
+    )

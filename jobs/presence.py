@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from itertools import groupby
+from operator import attrgetter
+
 from django.db import transaction
 
 from .engine.dispatch import step_acquire
@@ -11,18 +14,31 @@ from .events import event_record
 from .models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 
 
-@transaction.atomic
-def device_online(*, name: str) -> int:
-    """The device is back: its waiting steps ask for the lock, oldest first."""
+def devices_presence(changes: list[list]) -> None:
+    """Devices whose presence changed ([[name, online], ...], one presence group of the bridge's):
+    those back online resume their waiting steps, those gone offline have a dropout recorded."""
+    devices_online([name for name, online in changes if online])
+    devices_offline([name for name, online in changes if not online])
+
+
+def devices_online(names: list[str]) -> int:
+    """The devices are back: each one's waiting steps ask for the lock, oldest first.
+
+    One query finds the waiting steps of all of them; each device's are resumed in a
+    transaction of its own."""
+    if not names:
+        return 0
     waiting = (
         StepRun.objects.select_related("run", "device")
-        .filter(device__name=name, status=StepStatus.QUEUED)
-        .order_by("queued_at", "pk")
+        .filter(device__name__in=names, status=StepStatus.QUEUED)
+        .order_by("device_id", "queued_at", "pk")
     )
     count = 0
-    for step_run in waiting:
-        step_resume(step_run=step_run)
-        count += 1
+    for _, steps in groupby(waiting, key=attrgetter("device_id")):
+        with transaction.atomic():
+            for step_run in steps:
+                step_resume(step_run=step_run)
+                count += 1
     return count
 
 
@@ -35,19 +51,22 @@ def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
 
 
 @transaction.atomic
-def device_offline(*, name: str) -> int:
-    """The device dropped off mid-step: recorded; the attempt ends by its own deadline.
+def devices_offline(names: list[str]) -> int:
+    """The devices dropped off mid-step: recorded; each attempt ends by its own deadline.
 
     The attempt is not ended (nor the device handed on) at once: "offline" may be a network
     blip while the device goes on executing, and a next command sent then would run beside
     it. If the device comes back and answers before the deadline, the step succeeds; if not,
     the timeout retries it (or ends it) per the step's policy.
     """
+    if not names:
+        return 0
     in_flight = StepRun.objects.select_related("run", "device").filter(
-        device__name=name, status__in=STEP_IN_FLIGHT
+        device__name__in=names, status__in=STEP_IN_FLIGHT
     )
     count = 0
     for step_run in in_flight:
+        name = step_run.device.name
         event_record(
             "step.device_offline",
             step_run=step_run,

@@ -129,12 +129,9 @@ def device_jobs_get_task(device: str) -> None:
     current.device_jobs_answer(device=device)
 
 
-@shared_task(name="jobs.device_presence")  # sent by jobs/apps.py
-def device_presence_task(name: str, online: bool) -> None:
-    if online:
-        presence.device_online(name=name)
-    else:
-        presence.device_offline(name=name)
+@shared_task(name="jobs.devices_presence")  # sent by jobs/apps.py, one per presence group
+def devices_presence_task(changes: list[list]) -> None:
+    presence.devices_presence(changes)
 
 
 @shared_task(name="jobs.run_cancel")
