@@ -10,7 +10,9 @@ once with one bridge SIGKILLed when half the devices have succeeded and started 
 (as a supervisor's restart policy would). It reports devices/s, the time to the last device,
 command-to-recorded latency, each process's peak RSS, Redis memory, and the oracle: every
 device succeeded, none commanded twice, nothing left stuck (no open row, no lock held, no
-waiter, nothing in the engine's inbox).
+waiter, nothing in the engine's inbox). Before the runs it reports how fast the bridges
+recorded the fleet's retained statuses (`presence`, statuses/s); `--presence-only` stops
+there, after timing a restarted bridge's replay of them.
 
 Prints progress; the last line of stdout is the result as one JSON object, also written to
 bench/results/fleet-<UTC timestamp>.json. Exit status 0 when both runs lost nothing (every
@@ -77,6 +79,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-seconds", type=float, default=60.0, help="per device (0: none)")
     parser.add_argument("--timeout-seconds", type=float, default=900.0, help="limit for each run")
     parser.add_argument("--skip-kill", action="store_true", help="only the undisturbed run")
+    parser.add_argument(
+        "--presence-only", action="store_true", help="bring the fleet online, report presence, run no fan-out"
+    )
     parser.add_argument(
         "--no-sql-count", action="store_true", help="run workers and bridges without bench.sql_count"
     )
@@ -193,6 +198,8 @@ def online_count() -> int:
 
 
 def fleet_online(stack: BenchStack, args: argparse.Namespace, names: list[str], exits: ExitStack):
+    """Connect the simulator, publish every device's retained `online` and wait until the bridges
+    recorded them all; returns (simulator, presence figures)."""
     from django.conf import settings
 
     from .fleet_sim import FleetSimulator
@@ -211,15 +218,65 @@ def fleet_online(stack: BenchStack, args: argparse.Namespace, names: list[str], 
     started = time.monotonic()
     sim.start()
     say(f"fleet: {len(sim.clients)} connections subscribed to {len(names)} devices' commands")
+    first_status = time.monotonic()
     sim.statuses_publish(online_count)
     deadline = time.monotonic() + ONLINE_TIMEOUT_SECONDS
     while (online := online_count()) < len(names):
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {online}/{len(names)} devices online")
         time.sleep(0.2)
-    say(f"  all {len(names)} online after {time.monotonic() - started:.1f} s; heartbeats start")
+    recorded = time.monotonic()
+    say(f"  all {len(names)} online after {recorded - started:.1f} s; heartbeats start")
     sim.heartbeats_start()
-    return sim, round(time.monotonic() - started, 1)
+    statuses_s = recorded - first_status
+    presence = {
+        "online_seconds": round(recorded - started, 1),
+        # From the first status published to the last one recorded (the faster bridge's row
+        # write counts; both bridges receive every status).
+        "statuses_seconds": round(statuses_s, 2),
+        "statuses_per_s": round(len(names) / statuses_s, 1) if statuses_s > 0 else None,
+    }
+    say(f"  presence: {len(names)} statuses recorded in {statuses_s:.1f} s ({presence['statuses_per_s']}/s)")
+    return sim, presence
+
+
+REPLAY_PROBE = "replay-probe"
+# After the restarted bridge says it is connected, the probe waits this long so that its
+# subscriptions (sent before that line) are in the broker before the probe's status.
+REPLAY_PROBE_DELAY_SECONDS = 0.5
+
+
+def presence_replay(stack: BenchStack, sim) -> dict[str, Any]:
+    """A restarted bridge's replay of every retained status, timed (--presence-only).
+
+    The other bridge stops (its session keeps its messages) and the killed one starts again:
+    on subscribing it receives every device's retained status once more, before anything
+    published after that in its session. A probe device's status published then is recorded
+    once the replay is through: how long a reply sent at the restart waits behind it.
+    """
+    from django.conf import settings
+
+    from devices.models import Device
+
+    Device.objects.bulk_create([Device(name=REPLAY_PROBE, online=False)])
+    supervisor = stack.supervisor
+    supervisor.stop(BRIDGES[0])
+    offset = supervisor.log_size(KILLED_BRIDGE)
+    supervisor.kill(KILLED_BRIDGE)
+    supervisor.start(KILLED_BRIDGE, supervisor.children[KILLED_BRIDGE].argv)
+    supervisor.wait_for_log(KILLED_BRIDGE, READY["bridge"], timeout=READY_TIMEOUT_SECONDS, since=offset)
+    connected = time.monotonic()
+    time.sleep(REPLAY_PROBE_DELAY_SECONDS)
+    topic = f"{settings.IOTQUEUE_TOPIC_PREFIX}/{REPLAY_PROBE}/status"
+    sim.clients[0].publish(topic, b"online", qos=1).wait_for_publish(READY_TIMEOUT_SECONDS)
+    deadline = time.monotonic() + ONLINE_TIMEOUT_SECONDS
+    while not Device.objects.filter(name=REPLAY_PROBE, online=True).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the probe's status, sent after a bridge restart, was never recorded")
+        time.sleep(0.05)
+    seconds = time.monotonic() - connected
+    say(f"  replay: a status sent as {KILLED_BRIDGE} came back was recorded {seconds:.1f} s later")
+    return {"bridge": KILLED_BRIDGE, "probe_recorded_after_s": round(seconds, 2)}
 
 
 def fanout_template(max_in_flight: int):
@@ -433,6 +490,26 @@ def result_write(result: dict[str, Any]) -> Path:
     return path
 
 
+def presence_report(
+    args: argparse.Namespace, stack: BenchStack, presence: dict[str, Any], load_at_start: list[float]
+) -> int:
+    """--presence-only: the presence figures as the result (file and last line); 0."""
+    machine = machine_describe(
+        redis_kind=stack.redis.kind,
+        mqtt_kind=stack.broker.kind,
+        database=stack.database,
+        load_at_start=load_at_start,
+        code=False,
+    )
+    result = {"devices": args.devices, "presence": presence, "arguments": vars(args), "machine": machine}
+    path = result_write(result)
+    say(f"fleet: wrote {path}; logs in {stack.log_dir()}")
+    relative = str(path.relative_to(RESULTS_DIR.parent.parent))
+    line = {"devices": args.devices, "presence": presence, "result_file": relative}
+    print(json.dumps(line), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     load_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -447,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
             engine_start(stack, args)
             redis_before = redis_memory()
             names = devices_register(args.devices)
-            sim, online_s = fleet_online(stack, args, names, exits)
+            sim, presence = fleet_online(stack, args, names, exits)
+            if args.presence_only:
+                presence["replay"] = presence_replay(stack, sim)
+                return presence_report(args, stack, presence, load_at_start)
             time.sleep(2.0)  # the last statuses' row updates and heartbeats' first round settle
             redis_online = redis_memory()
             template = fanout_template(args.max_in_flight)
@@ -492,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             "redis": redis,
             "targets": targets(plain, killed),
             "arguments": vars(args),
-            "online_seconds": online_s,
+            "online_seconds": presence["online_seconds"],
+            "presence": presence,
             "plain": plain,
             "bridge_killed": killed,
             "machine": machine,
