@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from datetime import timedelta
 
-from django.db import close_old_connections, transaction
+from django.db import OperationalError, close_old_connections, transaction
 from django.db.models import Q
 from django.dispatch import Signal
 from django.utils import timezone
@@ -44,13 +44,19 @@ presence_budget = MessageBudget(rate=PRESENCE_MESSAGES_PER_SECOND, burst=PRESENC
 
 # Presence groups: at most this many messages (the statements' name lists stay far below
 # any database's parameter limit), written once no new one came for the idle time or the
-# first waited the max wait. A status is acknowledged only after its write, and the broker
-# sends a bridge at most max_inflight_messages (100) unacknowledged QoS 1 messages: a short
-# idle time lets a replay of retained statuses go on in groups of about that many, a few
-# milliseconds apart; the max wait bounds a heartbeat's delay under a steady stream.
+# first waited the max wait. A status is acknowledged only after its write, and a broker may
+# cap the unacknowledged QoS 1 messages it sends a client (Mosquitto's max_inflight_messages):
+# a short idle time keeps such a capped stream moving, a group every few milliseconds; the
+# max wait bounds a heartbeat's delay under a steady stream.
 PRESENCE_BATCH_MAX = 1000
 PRESENCE_BATCH_IDLE_SECONDS = 0.005
 PRESENCE_BATCH_MAX_WAIT_SECONDS = 0.1
+# Messages waiting for their group's write at most. Beyond it the bridge holds a message as
+# it holds one that met an outage (iotqueue/redelivery.py: bounded per device and in bytes,
+# tried again later), so a database away for minutes while 100,000 devices beat cannot fill
+# the bridge's memory (about 1 KB a waiting message). Far above the backlog of a restarted
+# bridge's replay of 100,000 statuses (written at ~9,000 a second).
+PRESENCE_WAITING_MAX = 50_000
 
 # What a presence message says: a status (online/offline) or a heartbeat (online, seen now).
 ONLINE, OFFLINE, HEARTBEAT = "online", "offline", "heartbeat"
@@ -113,6 +119,11 @@ def presence_record(items: Iterable[tuple[str, str]]) -> list[tuple[str, bool]]:
             Device.objects.filter(pk__in=refreshed).update(last_seen=now)
     changed = {name for _, name, online in rows if online != last[name]}
     return [(name, online) for name, online in last.items() if name in changed]
+
+
+class PresenceBehind(OperationalError):
+    """PRESENCE_WAITING_MAX messages wait for the presence write already: the database is
+    away or too slow. An outage to the bridge, which holds the message and tries it again."""
 
 
 class PresenceFlush:
@@ -221,7 +232,7 @@ def presence_message_handle(topic: str, payload: bytes) -> None:
         message_drop_note(device=name, reason=why, message=why, topic=topic, size=len(payload))
         return
     if kind == "heartbeat":
-        presence_batcher.add((name, HEARTBEAT), ack_defer())
+        _group_join(name, HEARTBEAT)
         return
     if not payload:
         return  # a retained status being cleared
@@ -232,4 +243,10 @@ def presence_message_handle(topic: str, payload: bytes) -> None:
         why = f"status: {exc}"
         message_drop_note(device=name, reason=why[:80], message=why, topic=topic, size=len(payload))
         return
-    presence_batcher.add((name, ONLINE if online else OFFLINE), ack_defer())
+    _group_join(name, ONLINE if online else OFFLINE)
+
+
+def _group_join(name: str, word: str) -> None:
+    if presence_batcher.waiting() >= PRESENCE_WAITING_MAX:
+        raise PresenceBehind(f"{PRESENCE_WAITING_MAX} presence messages wait for the database")
+    presence_batcher.add((name, word), ack_defer())

@@ -85,6 +85,11 @@ class Batcher:
             if len(self._items) == 1 or len(self._items) >= self.max_items or urgent:
                 self._cond.notify()
 
+    def waiting(self) -> int:
+        """Items added and not flushed yet, the group being flushed (or tried again) aside."""
+        with self._cond:
+            return len(self._items)
+
     def _run(self) -> None:
         while True:
             with self._cond:

@@ -20,6 +20,8 @@ from devices.models import Device
 from devices.presence import HEARTBEAT, OFFLINE, ONLINE
 from devtools import pg_restart
 from devtools.simulator import DeviceBehaviour, Simulator
+from iotqueue.batching import Batcher
+from iotqueue.redelivery import OUTAGE_ERRORS
 from jobs.models import RunStatus
 from jobs.services import run_start
 from tests.conftest import database_url, wait_for
@@ -107,6 +109,28 @@ def test_heartbeats_bring_a_device_back_and_refresh_last_seen_at_most_every_inte
     stale_row = Device.objects.get(name=stale)
     assert stale_row.last_seen > long_ago and stale_row.presence_since == long_ago
     assert Device.objects.get(name=fresh).last_seen == fresh_seen
+
+
+@pytest.mark.django_db
+def test_a_message_beyond_the_waiting_limit_is_an_outage_to_the_bridge(settings, monkeypatch):
+    # given presence writes so far behind that the limit of waiting messages is reached
+    group = Batcher(presence.presence_flush, max_items=99, idle_seconds=3600, max_wait_seconds=3600, name="t")
+    monkeypatch.setattr(presence, "presence_batcher", group)
+    monkeypatch.setattr(presence, "PRESENCE_WAITING_MAX", 3)
+    names = [DeviceFactory(online=False).name for _ in range(4)]
+    topics = [f"{settings.IOTQUEUE_TOPIC_PREFIX}/{name}/status" for name in names]
+    for topic in topics[:3]:
+        presence.presence_message_handle(topic, b"online")
+
+    # when one more comes, the bridge is told of an outage: it holds the message, to try again
+    with pytest.raises(OUTAGE_ERRORS):
+        presence.presence_message_handle(topics[3], b"online")
+
+    # and once the waiting ones are written, the message tried again joins the next group
+    group.drain()
+    presence.presence_message_handle(topics[3], b"online")
+    group.drain()
+    assert Device.objects.filter(name__in=names, online=True).count() == 4
 
 
 # --- through the real bridge -------------------------------------------------------------------
