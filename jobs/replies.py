@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from celery import current_app
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections
 
 from devices import protocol
 from devices.models import Device
@@ -28,7 +28,7 @@ from .current import JOBS_GET_BURST, JOBS_GET_RATE, JOBS_GET_TASK
 from .events import EventLog
 from .inbox import replies_enqueue
 from .models import RunEvent
-from .rows import Writes
+from .rows import Writes, rows_atomic
 
 # A dropped message's reason groups the device's drops in the tally; this much of it (a
 # device cannot make a reason of its payload: protocol errors name fields, not values).
@@ -120,7 +120,7 @@ def dropped_summaries_record(summaries: list[DropSummary]) -> None:
         device = summary.device[: RunEvent._meta.get_field("device").max_length]
         events.add("message.dropped", device=device, message=text, topic=summary.topic,
                    size=summary.size, count=summary.count)  # fmt: skip
-    with transaction.atomic():
+    with rows_atomic():
         writes = Writes()
         events.insert(writes)
         writes.send(last=True)

@@ -11,16 +11,59 @@ The writes of one transition are queued in a `Writes` and sent together, so that
 PostgreSQL they cost one round trip; new rows whose ids are needed go through
 `rows_create`. Reads on that path (`rows_select`, `row_last`) likewise skip the ORM's per-query
 compilation and build the same model instances from one prepared column list.
+
+This is the one module of the project that writes SQL by hand, and it does so through
+Django's public surface only: the cursor API (`connection.cursor()`, `execute`,
+`executemany`, `fetchall`; on PostgreSQL psycopg's own `mogrify` and `nextset`), each
+field's documented preparation methods, `Model.from_db` for the rows it reads,
+`Model._state` (documented: "adding" and "db") for the rows it inserts, and
+`transaction.atomic` / `get_autocommit` / `get_rollback` for the transaction
+(`rows_atomic`). How it fails: a statement that fails raises the database's error
+(IntegrityError for a constraint) and the caller's atomic block rolls back everything the
+transaction wrote, the statements of the same text before it included
+(tests/jobs/test_rows.py checks it on both databases).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from importlib.util import find_spec
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model
+
+# Django's PostgreSQL backend runs on psycopg 3 whenever it is installed (psycopg2 otherwise).
+PSYCOPG3 = find_spec("psycopg") is not None
+
+# The connection whose transaction `rows_atomic` opened as the outermost block (None: none,
+# or one opened inside another block): only that one's last text may carry the COMMIT.
+_outermost: ContextVar[BaseDatabaseWrapper | None] = ContextVar("rows_outermost", default=None)
+
+
+@contextmanager
+def rows_atomic() -> Iterator[None]:
+    """`transaction.atomic()` for a transaction whose last writes may carry its COMMIT
+    (`Writes.send(last=True)`).
+
+    It may when no transaction was open as the block began (`transaction.get_autocommit()`,
+    public: autocommit is off inside any atomic block and in a test's transaction), so the
+    block is the outermost and commits on leaving. Call `send(last=True)` in this block
+    itself, not inside an atomic block nested in it: its savepoint would be released after
+    the commit (PostgreSQL then raises, and the writes are committed already).
+    """
+    db = _db()
+    token = _outermost.set(db if transaction.get_autocommit() else None)
+    try:
+        with transaction.atomic():
+            yield
+    finally:
+        _outermost.reset(token)
 
 
 def _update_sql(model: type[Model], rows: list, fields: list[str], status_in: tuple, match: str) -> tuple:
@@ -153,9 +196,9 @@ class Writes:
         that order ([] where not asked).
 
         `last`: nothing else is written in the caller's transaction. On PostgreSQL, when
-        nothing queued has a row count to check and the transaction is the outermost atomic
-        block's, the text then ends with its COMMIT (`_commit_rides`), which saves the
-        commit's own round trip."""
+        nothing queued has a row count to check and the transaction is one `rows_atomic`
+        opened as the outermost block, the text then ends with its COMMIT (`_commit_rides`),
+        which saves the commit's own round trip."""
         queued, self._queued = self._queued, []
         inserted, self._inserted = self._inserted, []
         db = _db()
@@ -170,7 +213,7 @@ class Writes:
         if not queued and not reads:
             return [], []
         with db.cursor() as cursor:
-            if _one_text(db, cursor):
+            if _one_text(db):
                 commit = last and _commit_rides(db, queued)
                 counts, results = _send_one_text(db, cursor, queued, reads, commit=commit)
             else:
@@ -206,7 +249,7 @@ def _reserve_sql(db: BaseDatabaseWrapper, model: type[Model], n: int) -> tuple[s
             n,
         ]
     if db.vendor == "sqlite":
-        if not db.in_atomic_block:
+        if transaction.get_autocommit():
             raise RuntimeError("reserving ids on SQLite needs the transaction that inserts them")
         quote = db.ops.quote_name
         return (
@@ -226,7 +269,9 @@ def _reserved(db: BaseDatabaseWrapper, n: int, fetched: list) -> list[int]:
 
 
 def _saved(rows: list[Model], db: BaseDatabaseWrapper) -> None:
-    """Mark inserted rows as the ORM marks what it saved (no longer adding, in this database)."""
+    """Mark inserted rows as the ORM marks what it saved: no longer adding, in this database.
+    `Model._state` and its `adding` and `db` are documented (the model instance reference;
+    its `from_db` example sets these two): a row marked so saves again as an UPDATE."""
     for row in rows:
         row._state.adding, row._state.db = False, db.alias
 
@@ -238,28 +283,28 @@ def _db() -> BaseDatabaseWrapper:
     return connections[DEFAULT_DB_ALIAS]
 
 
-def _one_text(db: BaseDatabaseWrapper, cursor: Any) -> bool:
-    """Whether this cursor runs several statements in one text and returns each one's result
-    (psycopg 3's client-side binding cursor)."""
-    if db.vendor != "postgresql":
+def _one_text(db: BaseDatabaseWrapper) -> bool:
+    """Whether the connection's cursors run several statements in one text and return each
+    one's result: psycopg 3's client-side binding cursors, which Django's PostgreSQL backend
+    uses unless its documented `server_side_binding` option (or a cursor factory of one's
+    own) is set."""
+    if db.vendor != "postgresql" or not PSYCOPG3:
         return False
-    client_cursor = getattr(db.Database, "ClientCursor", None)
-    return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
+    options = settings.DATABASES[DEFAULT_DB_ALIAS].get("OPTIONS", {})
+    return options.get("server_side_binding") is not True and "cursor_factory" not in options
 
 
 def _commit_rides(db: BaseDatabaseWrapper, queued: list) -> bool:
     """Whether the last text of a transaction can carry its COMMIT: no row count is left to
-    check after it (a conflict must still be able to roll back), and the transaction is the
-    outermost atomic block's, which commits on leaving (not a savepoint, not a test's
-    transaction). The block's own commit then finds the connection outside a transaction
-    and psycopg sends nothing; an error in the text stops it before the COMMIT, and the
-    block rolls back as usual."""
+    check after it (a conflict must still be able to roll back), the transaction is one
+    `rows_atomic` opened as the outermost block (which commits on leaving: not a savepoint,
+    not a test's transaction), and nothing in it asked for a rollback. The block's own commit
+    then finds the connection outside a transaction and psycopg sends nothing; an error in
+    the text stops it before the COMMIT, and the block rolls back as usual."""
     return (
-        all(conflict is None for _, _, conflict in queued)
-        and len(db.atomic_blocks) == 1
-        and db.commit_on_exit
-        and not db.savepoint_ids
-        and not db.needs_rollback
+        _outermost.get() is db
+        and all(conflict is None for _, _, conflict in queued)
+        and not transaction.get_rollback()
     )
 
 

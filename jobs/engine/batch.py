@@ -52,7 +52,7 @@ from collections.abc import Callable
 from datetime import datetime
 from functools import partial
 
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -63,7 +63,7 @@ from ..deadlines import Deadline
 from ..events import EventLog, event_record
 from ..inbox import Work
 from ..models import JobRun, RunStatus, StepRun
-from ..rows import Writes, rows_select
+from ..rows import Writes, rows_atomic, rows_select
 from .attempts import Outcome
 from .batch_locks import BatchLocks, BatchRetry
 from .batch_publish import BatchPublish, PipeHook
@@ -215,7 +215,7 @@ def _transition(
     publishes; then the general-path leftovers. A conflict before the lock call rolls
     everything back and hands over to `conflicted` (which runs the caller's `finally_`)."""
     try:
-        with transaction.atomic():
+        with rows_atomic():
             prepare()
             batch.rows_name()
             batch.locks_apply()

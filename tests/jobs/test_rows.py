@@ -15,7 +15,7 @@ from django.utils import timezone
 from devices.models import Device
 from jobs.events import EVENT_FIELDS
 from jobs.models import JobRun, RunEvent, StepRun, StepStatus, TemplateVersion
-from jobs.rows import Writes, row_last, rows_create, rows_select
+from jobs.rows import Writes, row_last, rows_atomic, rows_create, rows_select
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = pytest.mark.django_db
@@ -208,6 +208,11 @@ def test_created_rows_with_a_uuid_key_and_auto_now_add_match_the_orms_save(rows)
     assert new_run.pk == chosen and not new_run._state.adding
     assert before <= new_run.created_at <= timezone.now()
     assert fields_of(JobRun.objects.get(pk=chosen)) == fields_of(new_run)
+    # Saved again as the ORM saves a row it wrote: an UPDATE (a row still marked as being
+    # added, with a UUID default, would be INSERTed again and meet its primary key).
+    new_run.triggered_by = "again"
+    new_run.save(update_fields=["triggered_by"])
+    assert JobRun.objects.get(pk=chosen).triggered_by == "again"
     assert event.pk and fields_of(RunEvent.objects.get(pk=event.pk)) == fields_of(event)
 
 
@@ -224,24 +229,29 @@ def test_the_last_row_by_a_field_is_the_orms_latest(rows):
     assert last.number == 7 and fields_of(last) == fields_of(expected)
 
 
+def in_transaction() -> bool:
+    return connection.connection.info.transaction_status != 0  # psycopg: 0 is IDLE
+
+
+def event_new(run: JobRun, device: Device, kind: str) -> RunEvent:
+    made = RunEvent(run=run, kind=kind, device=device.name, message="")
+    made.data, made.created_at = {}, timezone.now()
+    return made
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_last_writes_of_a_transaction_carry_its_commit_only_when_nothing_is_left_to_check(rows):
     """`Writes.send(last=True)`: on PostgreSQL the text ends with the COMMIT when no row count
-    is left to check and the block is the outermost; otherwise the block commits or rolls
-    back as usual. Elsewhere the block always commits itself."""
+    is left to check and the block is a `rows_atomic` opened as the outermost; otherwise the
+    block commits or rolls back as usual. Elsewhere the block always commits itself."""
     run, device, with_device, _ = rows
     postgresql = connection.vendor == "postgresql"
 
     def event(kind: str) -> RunEvent:
-        made = RunEvent(run=run, kind=kind, device=device.name, message="")
-        made.data, made.created_at = {}, timezone.now()
-        return made
-
-    def in_transaction() -> bool:
-        return connection.connection.info.transaction_status != 0  # psycopg: 0 is IDLE
+        return event_new(run, device, kind)
 
     writes = Writes()
-    with transaction.atomic():
+    with rows_atomic():
         writes.insert(RunEvent, [event("rides")], EVENT_FIELDS)
         writes.send(last=True)
         if postgresql:
@@ -249,7 +259,7 @@ def test_the_last_writes_of_a_transaction_carry_its_commit_only_when_nothing_is_
     assert RunEvent.objects.filter(kind="rides").exists()
 
     # a compare-and-set in the text: its count must be able to roll the block back
-    with pytest.raises(LookupError), transaction.atomic():
+    with pytest.raises(LookupError), rows_atomic():
         writes.insert(RunEvent, [event("checked")], EVENT_FIELDS)
         moved = LookupError("moved")
         writes.update(StepRun, [with_device], ["progress"], status_in=(StepStatus.PENDING,), conflict=moved)
@@ -258,10 +268,57 @@ def test_the_last_writes_of_a_transaction_carry_its_commit_only_when_nothing_is_
 
     # a savepoint inside an outer block: the outer block decides, and here it rolls back
     with pytest.raises(RuntimeError), transaction.atomic():
-        with transaction.atomic():
+        with rows_atomic():
             writes.insert(RunEvent, [event("nested")], EVENT_FIELDS)
             writes.send(last=True)
             if postgresql:
                 assert in_transaction()
         raise RuntimeError("the outer block fails")
     assert not RunEvent.objects.filter(kind="nested").exists()
+
+    # a plain atomic block is not known to be the outermost: it commits itself
+    with transaction.atomic():
+        writes.insert(RunEvent, [event("plain")], EVENT_FIELDS)
+        writes.send(last=True)
+        if postgresql:
+            assert in_transaction()
+    assert RunEvent.objects.filter(kind="plain").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_failing_in_the_last_text_leaves_nothing_of_the_transaction(rows):
+    """The writes of one text never half-apply: when a later statement meets a constraint
+    (a real unique violation, not a stand-in), the statements before it in the same text,
+    what the transaction wrote before, and the COMMIT that would have ridden along, all
+    come to nothing; the connection is usable afterwards. On PostgreSQL the text is the
+    one whose COMMIT rides (it has no row count to check); on SQLite the statements go one
+    by one in the same transaction."""
+    run, device, with_device, _ = rows
+    before = StepRun.objects.count()
+    writes = Writes()
+    with pytest.raises(IntegrityError), rows_atomic():
+        rows_create(RunEvent, [event_new(run, device, "written-before")])
+        _, (first, second) = writes.send(reserve=(StepRun, 2))
+        with_device.progress = 70
+        writes.update(StepRun, [with_device], ["progress"], status_in=(StepStatus.DISPATCHED,))
+        writes.insert(StepRun, [StepRun(pk=first, run=run, index=7, device=device, action="close")])
+        writes.insert(RunEvent, [event_new(run, device, "first-in-text")], EVENT_FIELDS)
+        # (run, phase, index, device) is unique: this row is with_device's twin.
+        writes.insert(StepRun, [StepRun(pk=second, run=run, index=0, device=device, action="again")])
+        writes.insert(RunEvent, [event_new(run, device, "after-the-failure")], EVENT_FIELDS)
+        writes.send(last=True)
+    if connection.vendor == "postgresql":
+        assert not in_transaction()
+    assert StepRun.objects.count() == before
+    assert not StepRun.objects.filter(run=run, index=7).exists()
+    assert StepRun.objects.get(pk=with_device.pk).progress is None
+    assert not RunEvent.objects.filter(
+        kind__in=["written-before", "first-in-text", "after-the-failure"]
+    ).exists()
+    # The same writes without the twin go through whole.
+    with rows_atomic():
+        writes.update(StepRun, [with_device], ["progress"], status_in=(StepStatus.DISPATCHED,))
+        writes.insert(RunEvent, [event_new(run, device, "first-in-text")], EVENT_FIELDS)
+        writes.send(last=True)
+    assert StepRun.objects.get(pk=with_device.pk).progress == 70
+    assert RunEvent.objects.filter(kind="first-in-text").count() == 1
