@@ -13,11 +13,9 @@ from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
-from devices.protocol import Reply
-
 from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, batch_locks, dispatch, due, reply, taskstep
+from .engine import batch, batch_locks, dispatch, due, taskstep
 from .models import JobRun
 
 log = logging.getLogger(__name__)
@@ -38,12 +36,9 @@ def run_advance_task(run_id: str) -> None:
     default_retry_delay=0.2,
     max_retries=10,
 )
-def inbox_drain_task(self, items: list[list] | None = None, helper: bool = False) -> int:
-    """Apply what waits in the engine's inbox (jobs/inbox.py); or `items` (replies) given."""
+def inbox_drain_task(self, helper: bool = False) -> int:
+    """Apply what waits in the engine's inbox (jobs/inbox.py)."""
     try:
-        if items:
-            batch.inbox_apply(inbox.Work(replies=items))
-            return len(items)
         return inbox.inbox_drain(
             batch.inbox_apply,
             batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX,
@@ -93,11 +88,6 @@ def device_command_task(self, previous=None, *, device: str, action: str, args: 
 )
 def canvas_resume_task(run_id: str) -> None:
     canvas.canvas_resume(run_id)
-
-
-@shared_task(name="jobs.step_reply")
-def step_reply_task(device: str, payload: dict) -> None:
-    reply.step_reply(device=device, reply=Reply(**payload))
 
 
 @shared_task(name=taskstep.TASK_STEP_RUN_TASK)

@@ -45,11 +45,6 @@ def step_task_registered(name: str) -> bool:
     return name in _registered
 
 
-def step_task_names() -> list[str]:
-    step_tasks_discover()
-    return sorted(_registered)
-
-
 @dataclass(frozen=True)
 class TaskOutcome:
     """What a step task's call amounts to, in the terms of a device's `done`."""

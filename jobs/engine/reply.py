@@ -2,7 +2,7 @@
 
 The batched path (jobs/engine/batch.py) applies the common case — replies to current
 attempts — for many replies at once; this module is the general path it hands anything
-else to (unknown, foreign, stale), and the one an old `jobs.step_reply` task takes.
+else to (unknown, foreign, stale).
 """
 
 from __future__ import annotations
