@@ -91,13 +91,21 @@ def lock_shards() -> int:
 
 def lock_shard(name: str) -> int:
     """The shard of a device (or of any name routed like one): stable across processes."""
-    return zlib.crc32(name.encode()) % lock_shards()
+    return _shard_of(name, lock_shards())
+
+
+def _shard_of(name: str, shards: int) -> int:
+    return zlib.crc32(name.encode()) % shards
 
 
 def shard_tag(shard: int) -> str:
     """The hash tag of a shard's keys. The shard count is part of it, so a new count gives
     new keys without an epoch: the locks are rebuilt instead of read under the wrong shard."""
-    return "{" + f"{settings.IOTQUEUE_REDIS_KEY_PREFIX}:{shard}/{lock_shards()}" + "}"
+    return _tag(settings.IOTQUEUE_REDIS_KEY_PREFIX, shard, lock_shards())
+
+
+def _tag(prefix: str, shard: int, shards: int) -> str:
+    return "{" + f"{prefix}:{shard}/{shards}" + "}"
 
 
 def shard_key(name: str, shard: int) -> str:
@@ -108,15 +116,20 @@ def shard_key(name: str, shard: int) -> str:
 def _keys(device: str) -> dict[str, str]:
     # One tag per key, the shard's: a device's keys and its shard's globals share a slot.
     shard = lock_shard(device)
-    tag = shard_tag(shard)
+    lock, fence, queue = _device_keys(settings.IOTQUEUE_REDIS_KEY_PREFIX, shard_tag(shard), device)
     return {
-        "lock": redis_key("lock", tag, device),
-        "fence": redis_key("fence", tag, device),
-        "queue": redis_key("queue", tag, device),
+        "lock": lock,
+        "fence": fence,
+        "queue": queue,
         "leases": shard_key("leases", shard),
         "seq": shard_key("queue-seq", shard),
         "epoch": shard_key("lock-epoch", shard),
     }
+
+
+def _device_keys(prefix: str, tag: str, device: str) -> tuple[str, str, str]:
+    """A device's lock hash, fence counter and wait queue (as redis_key names them)."""
+    return f"{prefix}:lock:{tag}:{device}", f"{prefix}:fence:{tag}:{device}", f"{prefix}:queue:{tag}:{device}"
 
 
 # --- scripts ------------------------------------------------------------------------------
@@ -384,9 +397,11 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
     """
     if not batch.ops and not batch.writes:
         return []
+    # Settings read once: a single operation's cost is mostly this function's own.
+    prefix, count = settings.IOTQUEUE_REDIS_KEY_PREFIX, lock_shards()
     by_shard: dict[int, list[int]] = {}
     for index, op in enumerate(batch.ops):
-        by_shard.setdefault(op["shard"] if op["o"] == "c" else lock_shard(op["d"]), []).append(index)
+        by_shard.setdefault(op["shard"] if op["o"] == "c" else _shard_of(op["d"], count), []).append(index)
     for shard in batch.writes:
         by_shard.setdefault(shard, [])
     if zset is None and (batch.writes or any("g" in op or "q" in op for op in batch.ops)):
@@ -399,8 +414,9 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
         keys: list[str] = []
         groups = []
         for shard in shards:
+            tag = _tag(prefix, shard, count)
             group: dict[str, Any] = {"s": len(keys) + 1}
-            keys += [shard_key(name, shard) for name in ("leases", "queue-seq", "lock-epoch")]
+            keys += [f"{prefix}:leases:{tag}", f"{prefix}:queue-seq:{tag}", f"{prefix}:lock-epoch:{tag}"]
             if zset is not None:
                 group["z"] = len(keys) + 1
                 keys.append(zset(shard))
@@ -410,9 +426,8 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
                 if op["o"] == "c":
                     ops.append(op)
                     continue
-                k = _keys(op["d"])
                 ops.append({**op, "k": len(keys) + 1})
-                keys += [k["lock"], k["fence"], k["queue"]]
+                keys += _device_keys(prefix, tag, op["d"])
             group["ops"] = ops
             writes = batch.writes.get(shard)
             if writes:

@@ -150,11 +150,14 @@ end
 for _, group in ipairs(req.groups) do
   local s = group.s
   local zset = group.z and KEYS[group.z]
-  local ready = redis.call('EXISTS', KEYS[s + 2]) == 1
+  local ready = nil -- the epoch, read at the group's first acquire
   local results = {}
   for _, op in ipairs(group.ops or {}) do
     local result
     if op.o == 'a' then
+      if ready == nil then
+        ready = redis.call('EXISTS', KEYS[s + 2]) == 1
+      end
       result = acquire(s, zset, ready, op)
     elseif op.o == 'r' then
       result = release(s, op)
