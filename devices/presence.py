@@ -149,19 +149,28 @@ class PresenceFlush:
         except Exception:
             log.exception("presence: recording %d messages failed; recording each device alone", len(items))
             changes = self._record_alone(items)
-        self._unsent.extend(changes)
+        else:
+            self._unsent.extend(changes)
         self._send()
         self._log(items, changes)
 
     def _record_alone(self, items: list[tuple[str, str]]) -> list[tuple[str, bool]]:
+        """Each device's messages in a transaction of their own; each change kept to be sent
+        as soon as it committed (an outage midway raises with those kept)."""
+        by_device: dict[str, list[tuple[str, str]]] = {}
+        for item in items:
+            by_device.setdefault(item[0], []).append(item)
         changes: list[tuple[str, bool]] = []
-        for name in dict.fromkeys(name for name, _ in items):
+        for name, own in by_device.items():
             try:
-                changes += presence_record([item for item in items if item[0] == name])
+                changed = presence_record(own)
             except OUTAGE_ERRORS:
                 raise
             except Exception:
                 log.exception("presence: recording device %r failed; its messages are dropped", name)
+                continue
+            self._unsent.extend(changed)
+            changes += changed
         return changes
 
     def _send(self) -> None:

@@ -112,6 +112,19 @@ def test_heartbeats_bring_a_device_back_and_refresh_last_seen_at_most_every_inte
 
 
 @pytest.mark.django_db
+def test_a_name_the_database_refuses_leaves_the_others_of_its_group_recorded(heard):
+    # given a device going online in the same group as a name PostgreSQL cannot store (NUL)
+    device = DeviceFactory(online=False).name
+
+    # when the group is flushed
+    presence.presence_flush([("bad\x00name", ONLINE), (device, ONLINE)])
+
+    # then the device is recorded (on PostgreSQL each device alone, the bad name dropped)
+    assert online(device)
+    assert heard == [[(device, True)]]
+
+
+@pytest.mark.django_db
 def test_a_message_beyond_the_waiting_limit_is_an_outage_to_the_bridge(settings, monkeypatch):
     # given presence writes so far behind that the limit of waiting messages is reached
     group = Batcher(presence.presence_flush, max_items=99, idle_seconds=3600, max_wait_seconds=3600, name="t")
