@@ -143,8 +143,9 @@ class BatchLocks:
             [row for row in self.dispatches if row.pk not in new],
             DISPATCH_FIELDS,
             status_in=(StepStatus.QUEUED,),
-            # A handed row was canceled meanwhile: undo and let the task run again.
-            conflict=BatchRetry("a dispatched row moved during its reply batch"),
+            # A handed row was canceled meanwhile: undo and let the task run again (a
+            # batch that starts queued rows, `rows_start`, goes one row at a time instead).
+            conflict=self.dispatch_conflict,
         )
         self.events.insert(writes=self.writes)
         try:

@@ -3,11 +3,12 @@
 The step expands into one row per device (status `pending`). The pump starts rows while
 the rollout rate (devices per minute, stepped up by an exponential ramp if the step has one)
 and max-in-flight allow; each started row is an ordinary step (queued on its device's lock,
-so busy devices simply queue). When a row ends, progress is evaluated: when an abort
-criterion trips (by cause: failed, rejected, timed out, any) the pending rows are skipped
-and the step fails with the criterion and the failure breakdown; when all rows ended, the
-success criterion decides. Pumps of one fan-out are serialized by a row lock on the run
-(SQLite: by its write lock).
+so busy devices simply queue); the rows a pump starts take their locks and publish their
+commands as batches (`batch.rows_start`: one lock call and one transaction per 500 rows).
+When a row ends, progress is evaluated: when an abort criterion trips (by cause: failed,
+rejected, timed out, any) the pending rows are skipped and the step fails with the
+criterion and the failure breakdown; when all rows ended, the success criterion decides.
+Pumps of one fan-out are serialized by a row lock on the run (SQLite: by its write lock).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -27,7 +29,7 @@ from ..choices import AbortCause, RolloutIncrementOn
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
-from .dispatch import step_acquire
+from .batch import rows_start
 from .plan import fanout_devices, step_args
 from .runs import row_ended_register, run_step_done
 from .start import StepRefused, step_kind_register
@@ -229,8 +231,9 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
         if allowed and left and window.exists():
             oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
             deadlines_set({Deadline("pump", left[0], 0): oldest + rate_window})
-    for step_run in StepRun.objects.select_related("run", "device").filter(pk__in=start):
-        step_acquire(step_run=step_run)
+    # After the commit of whatever transaction the pump is part of (a row's end deciding the
+    # step): the rows' locks are taken and their commands published as batches.
+    transaction.on_commit(partial(rows_start, start))
     return len(start)
 
 

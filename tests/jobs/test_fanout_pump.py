@@ -1,0 +1,65 @@
+"""A fan-out's pump starts its rows as batched transitions (jobs/engine/batch.py rows_start):
+one lock call for the rows, the granted ones dispatched in one transaction, their commands
+published together; rows whose device is busy, offline or flow-controlled wait their turn
+as any step does."""
+
+import uuid
+
+import pytest
+
+from devtools.simulator import DeviceBehaviour
+from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
+from jobs.services import run_start
+from tests.conftest import wait_for
+from tests.factories import DeviceFactory, JobStepFactory, template_with_steps
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+
+def finished(run: JobRun) -> JobRun | None:
+    run.refresh_from_db()
+    return run if run.is_terminal else None
+
+
+def test_a_pump_dispatches_its_free_devices_in_one_transition_and_the_others_wait_their_turn(
+    stack, simulator
+):
+    label = f"batch-{uuid.uuid4().hex[:6]}"
+    fleet = [DeviceFactory(name=f"{label}-{i:02d}", labels={"kind": label}) for i in range(12)]
+    busy, offline, spaced, free = fleet[0], fleet[1], fleet[2], fleet[3:]
+    offline.online = False
+    offline.save(update_fields=["online"])
+    spaced.min_interval_seconds = 0.2
+    spaced.save(update_fields=["min_interval_seconds"])
+    slow = DeviceBehaviour(latency_min_ms=1500, latency_max_ms=1500)
+    sim = simulator({d.name: slow if d == busy else DeviceBehaviour() for d in fleet if d != offline})
+    # The busy device holds another run's command while the fan-out starts.
+    holding, _ = run_start(template=template_with_steps((busy, "hold", {})))
+    wait_for(
+        lambda: StepRun.objects.filter(run=holding, status__in=["dispatched", "in_progress"]).exists(),
+        what="the busy device's own command",
+    )
+    step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/check")
+
+    run, _ = run_start(template=step.template)
+
+    rows = StepRun.objects.filter(run=run)
+    wait_for(
+        lambda: rows.filter(device__in=free).exclude(dispatched_at=None).count() == len(free),
+        what="the free devices' rows dispatched",
+    )
+    # One transition dispatched them all: one `now` for every row (the general path takes
+    # one per row).
+    assert len(set(rows.filter(device__in=free).values_list("dispatched_at", flat=True))) == 1
+    waiting = RunEvent.objects.filter(run=run, kind="step.waiting").values_list("message", flat=True)
+    assert any("busy" in message for message in waiting), list(waiting)
+    assert any("offline" in message for message in waiting), list(waiting)
+
+    simulator({offline.name: DeviceBehaviour()})
+    assert wait_for(lambda: finished(run), timeout=60).status == RunStatus.SUCCEEDED
+    assert finished(holding).status == RunStatus.SUCCEEDED
+    assert set(rows.values_list("status", flat=True)) == {StepStatus.SUCCEEDED}
+    fanned = [c for d in fleet if d != offline for c in sim.received(d.name) if c["action"] != "hold"]
+    assert len(fanned) == len(fleet) - 1  # each once; the offline device's came to its own simulator
+    assert sim.stats()["totals"]["overlaps"] == 0
+    assert RunEvent.objects.filter(run=run, kind="step.spaced").count() <= 1
