@@ -50,6 +50,7 @@ from .health import MESSAGE_STATS, BridgeHeartbeat
 from .metrics import COUNTER, Family, counter_buffer, family_declare
 from .mqtt import client_connect, client_create
 from .redelivery import OUTAGE_ERRORS, Held, Redelivery
+from .retained import retained_filter_noted, retained_filters_held
 from .topics import filters_overlap, topic_filter_error
 
 log = logging.getLogger(__name__)
@@ -266,10 +267,13 @@ class Bridge:
         if reason_code.is_failure:
             log.error("bridge: broker refused connection: %s", reason_code)
             return
-        # Subscribing here (not once at start) makes every reconnect resubscribe.
+        # Subscribing here (not once at start) makes every reconnect resubscribe; except the
+        # retained filters a session the broker kept holds already, whose resubscription
+        # would replay every device's status ahead of the replies queued meanwhile.
+        held = retained_filters_held(bridge_client_id(), session_present=bool(flags.session_present))
         with self._lock:
             self._pending.clear()
-            topics = [t for t, _ in _handlers] + list(self._dynamic)
+            topics = [t for t, _ in _handlers if t not in held] + list(self._dynamic)
         # The broker now delivers what it kept for this session while the bridge was away.
         self.budget.surge(seconds=RECONNECT_SURGE_SECONDS, factor=RECONNECT_SURGE_FACTOR)
         try:
@@ -311,6 +315,8 @@ class Bridge:
             log.critical("bridge: the broker refused the device filter %r (%s)", topic, failures[0])
         elif failures:
             self._refuse(topic, "broker", f"the broker refused the subscription ({failures[0]})")
+        elif topic in _unshared:
+            retained_filter_noted(bridge_client_id(), topic)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         # Guarded by hand: whatever fails, the message is still acknowledged (an unacknowledged
