@@ -318,7 +318,7 @@ IOTQUEUE_TEMPLATE_MAX_STEPS = env.int("IOTQUEUE_TEMPLATE_MAX_STEPS", default=200
 IOTQUEUE_FOR_EACH_MAX_DEVICES = env.int("IOTQUEUE_FOR_EACH_MAX_DEVICES", default=500)
 # Devices one fan-out step may address: its rows are written in one transaction when it
 # starts, and counted on every device's reply. A step matching more fails at once.
-IOTQUEUE_FANOUT_MAX_DEVICES = env.int("IOTQUEUE_FANOUT_MAX_DEVICES", default=10_000)
+IOTQUEUE_FANOUT_MAX_DEVICES = env.int("IOTQUEUE_FANOUT_MAX_DEVICES", default=100_000)
 # A run's parameters as compact JSON: stored on the run and rendered into every step's args;
 # like a device reply (IOTQUEUE_MAX_PAYLOAD_BYTES), values, not documents.
 IOTQUEUE_RUN_PARAMETERS_MAX_BYTES = env.int("IOTQUEUE_RUN_PARAMETERS_MAX_BYTES", default=64 * 1024)

@@ -495,6 +495,9 @@ class StepRun(models.Model):
         indexes = [
             models.Index(fields=["device", "status"], name="steprun_device_status"),
             models.Index(fields=["status", "deadline"], name="steprun_status_deadline"),
+            # A fan-out step's rows by status, in id order: its pump takes the next pending
+            # rows and checks for rows at work without reading the step's other rows.
+            models.Index(fields=["run", "phase", "index", "status", "id"], name="steprun_step_status"),
         ]
 
     def __str__(self) -> str:

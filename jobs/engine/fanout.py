@@ -43,6 +43,10 @@ RAMP_SLICE = timedelta(seconds=1)
 # bound keeps the power a small number.
 RAMP_MAX_STEPS = 64
 ACTIVE = STEP_AT_WORK
+# Rows that ended without success (what abort criteria count).
+FAILING = (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
+# Rows a pump marks queued per UPDATE (SQLite binds at most 32,766 values in a statement).
+PUMP_UPDATE_ROWS = 10_000
 # The row statuses each abort cause counts (`any`: every row that ended other than succeeded).
 CAUSE_STATUSES = {
     AbortCause.FAILED: (StepStatus.FAILED,),
@@ -203,20 +207,25 @@ def _status_counts(rows) -> Counter:
 
 
 def fanout_pump(*, run: JobRun, index: int) -> int:
-    """Start as many pending rows as the rollout rate and max-in-flight allow."""
+    """Start as many pending rows as the rollout rate and max-in-flight allow.
+
+    Reads only what the limits need (the rows at work when max-in-flight is set, the rows
+    started within the rate's window when a rate is set), never the whole step's counts: a
+    pump runs at every row's end, and a fan-out may have 100,000 rows.
+    """
     spec = run.plan[index]
     now = timezone.now()
     with transaction.atomic():
         JobRun.objects.select_for_update().filter(pk=run.pk).first()
         rows = _rows(run, index)
-        by_status = _status_counts(rows)
         max_in_flight = spec.get("max_in_flight") or 0
         allowed, rate_window = _rollout_pace(spec, rows)
         window = rows.filter(queued_at__gt=now - rate_window)
         room = rollout_room(
-            rows=by_status[StepStatus.PENDING],
+            # As many as may be pending: the query below takes those there are.
+            rows=settings.IOTQUEUE_FANOUT_MAX_DEVICES,
             max_in_flight=max_in_flight,
-            in_flight=sum(by_status[s] for s in ACTIVE),
+            in_flight=rows.filter(status__in=ACTIVE).count() if max_in_flight else 0,
             rollout_per_minute=allowed,
             started_in_window=window.count() if allowed else 0,
         )
@@ -225,9 +234,10 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
         chosen = list(pending[: room + 1])
         start, left = chosen[:room], chosen[room:]
         deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
-        rows.filter(pk__in=start, status=StepStatus.PENDING).update(
-            status=StepStatus.QUEUED, queued_at=now, deadline=deadline
-        )
+        for first in range(0, len(start), PUMP_UPDATE_ROWS):
+            rows.filter(pk__in=start[first : first + PUMP_UPDATE_ROWS], status=StepStatus.PENDING).update(
+                status=StepStatus.QUEUED, queued_at=now, deadline=deadline
+            )
         if allowed and left and window.exists():
             oldest = window.order_by("queued_at").values_list("queued_at", flat=True).first()
             deadlines_set({Deadline("pump", left[0], 0): oldest + rate_window})
@@ -241,10 +251,9 @@ def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     """(rows by status, failure reasons by count) of one fan-out step."""
     rows = _rows(run, index)
     by_status = _status_counts(rows)
-    failing = (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
     reasons: Counter = Counter()
-    if any(by_status[s] for s in failing):
-        failed = rows.filter(status__in=failing).values_list("error", "device__name")
+    if any(by_status[s] for s in FAILING):
+        failed = rows.filter(status__in=FAILING).values_list("error", "device__name")
         reasons.update(failure_reason(error, device) for error, device in failed)
     return by_status, reasons
 
@@ -267,21 +276,29 @@ def fanout_progress(*, run: JobRun, index: int) -> None:
 
 
 def _fanout_decide(*, run: JobRun, index: int) -> None:
+    """Abort, pump or decide, from what each needs: abort criteria are counted only once a
+    row failed (none can trip before), and the whole step is counted once, at its end."""
     spec = run.plan[index]
+    rows = _rows(run, index)
+    if abort_criteria(spec) and rows.filter(status__in=FAILING).exists():
+        by_status, reasons = fanout_summary(run, index)
+        ended = sum(by_status[s] for s in STEP_TERMINAL if s != StepStatus.SKIPPED)
+        tripped = abort_criterion_tripped(criteria=abort_criteria(spec), by_status=by_status, executed=ended)
+        if tripped is not None:
+            breakdown = ", ".join(f"{n}x {reason}" for reason, n in reasons.most_common(5))
+            fanout_abort(run=run, index=index, tripped=tripped, breakdown=breakdown)
+            return
+    if rows.filter(status=StepStatus.PENDING).exists():
+        fanout_pump(run=run, index=index)
+        return
+    if rows.filter(status__in=ACTIVE).exists():
+        return
     by_status, reasons = fanout_summary(run, index)
     total = sum(by_status.values())
     succeeded = by_status[StepStatus.SUCCEEDED]
     ended = sum(by_status[s] for s in STEP_TERMINAL if s != StepStatus.SKIPPED)
     failed = ended - succeeded
     breakdown = ", ".join(f"{n}x {reason}" for reason, n in reasons.most_common(5))
-    tripped = abort_criterion_tripped(criteria=abort_criteria(spec), by_status=by_status, executed=ended)
-    if tripped is not None:
-        fanout_abort(run=run, index=index, tripped=tripped, breakdown=breakdown)
-        return
-    if by_status[StepStatus.PENDING] or any(by_status[s] for s in ACTIVE):
-        if by_status[StepStatus.PENDING]:
-            fanout_pump(run=run, index=index)
-        return
     ok = rollout_succeeded(succeeded=succeeded, total=total, success_percent=spec.get("success_percent", 100))
     message = f"{succeeded} of {total} devices succeeded" + (f"; failures: {breakdown}" if failed else "")
     event_record("step.fanout_done", run=run, message=message, index=index, by_status=dict(by_status))
