@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
@@ -45,6 +45,8 @@ RAMP_MAX_STEPS = 64
 ACTIVE = STEP_AT_WORK
 # Rows that ended without success (what abort criteria count).
 FAILING = (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
+# A fan-out writing this many rows has the database's statistics refreshed (_statistics_refresh).
+FANOUT_ANALYZE_ROWS = 1_000
 # Rows a pump marks queued per UPDATE (SQLite binds at most 32,766 values in a statement).
 PUMP_UPDATE_ROWS = 10_000
 # The row statuses each abort cause counts (`any`: every row that ended other than succeeded).
@@ -173,8 +175,24 @@ def fanout_start(run: JobRun, index: int) -> None:
             raise StepRefused(device.name, str(exc)) from None
         rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))
     StepRun.objects.bulk_create(rows, ignore_conflicts=True)
+    _statistics_refresh(len(rows))
     event_record("step.fanout", run=run, message=f"{spec['action']} to {len(devices)} devices", index=index)
     fanout_pump(run=run, index=index)
+
+
+def _statistics_refresh(written: int) -> None:
+    """After a large fan-out's rows are written, have PostgreSQL sample the table at once.
+
+    Every row end of the step asks for the rows at work or pending by status; the planner
+    answers that from the (run, phase, index, status, id) index only once its statistics
+    know the rows exist. Until autovacuum analyzes the table (a minute or more later; never
+    where it is off) it walks all the step's rows instead: half a second per row end at
+    100,000 devices. ANALYZE reads a sample (30,000 rows), takes no lock that writers wait
+    for, and may run inside the transaction.
+    """
+    if written >= FANOUT_ANALYZE_ROWS and connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {connection.ops.quote_name(StepRun._meta.db_table)}")
 
 
 def _ramped(spec: Mapping[str, Any]) -> bool:
