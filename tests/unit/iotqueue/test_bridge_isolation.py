@@ -33,8 +33,24 @@ def registry(monkeypatch, settings):
     monkeypatch.setattr(bridge, "_unshared", set())
     monkeypatch.setattr(bridge, "_providers", [])
     monkeypatch.setattr(bridge, "counter_buffer", CounterBuffer(flush_seconds=3600))
+    # Which retained filters the broker session holds: a set in the process, not Redis.
+    held: set[str] = set()
+
+    def held_read(client_id: str, *, session_present: bool) -> set[str]:
+        if not session_present:
+            held.clear()  # a new session holds no subscription
+        return set(held)
+
+    monkeypatch.setattr(bridge, "retained_filters_held", held_read)
+    monkeypatch.setattr(bridge, "retained_filter_noted", lambda client_id, topic: held.add(topic))
     settings.MQTT_URL = "mqtt://127.0.0.1:1883"
     settings.MQTT_SHARED_GROUP = ""
+
+
+# A CONNACK's flags: the broker kept no session (every filter is subscribed).
+NEW_SESSION = mqtt.ConnectFlags(session_present=False)
+KEPT_SESSION = mqtt.ConnectFlags(session_present=True)
+CONNACK_SUCCESS = ReasonCode(mqtt.PacketTypes.CONNACK, "Success")
 
 
 def refreshed(*providers: bridge.TopicProvider) -> bridge.Bridge:
@@ -87,7 +103,7 @@ def test_a_failing_connect_callback_is_counted_not_raised(monkeypatch):
     subject = refreshed()
     monkeypatch.setattr(subject, "_subscribe", lambda topics: 1 / 0)
 
-    subject._on_connect(subject.client, None, {}, ReasonCode(mqtt.PacketTypes.CONNACK, "Success"), None)
+    subject._on_connect(subject.client, None, NEW_SESSION, CONNACK_SUCCESS, None)
 
     assert subject.stats["callback_error:connect"] == 1
 
@@ -108,7 +124,7 @@ def test_a_filter_with_a_control_character_is_refused_and_never_subscribed():
     # and a reconnect subscribes everything else, filter by filter
     sent = []
     subject.client.subscribe = lambda topic, qos: sent.append(topic) or (mqtt.MQTT_ERR_SUCCESS, len(sent))
-    subject._on_connect(subject.client, None, {}, ReasonCode(mqtt.PacketTypes.CONNACK, "Success"), None)
+    subject._on_connect(subject.client, None, NEW_SESSION, CONNACK_SUCCESS, None)
     assert sent == ["P/+/done", "site/+/opened"]
 
 
@@ -123,13 +139,13 @@ def test_a_filter_the_broker_drops_the_connection_over_twice_is_refused():
     for _ in range(bridge.SUBSCRIBE_STRIKES):
         # when the broker drops the connection before answering its SUBSCRIBE, each time
         sent.clear()
-        subject._on_connect(subject.client, None, {}, success, None)
+        subject._on_connect(subject.client, None, NEW_SESSION, success, None)
         subject._on_disconnect(subject.client, None, {}, malformed, None)
 
     # then it is refused, and the next connection subscribes the rest only
     assert "dropped the connection" in subject.refused["site/odd"]
     sent.clear()
-    subject._on_connect(subject.client, None, {}, success, None)
+    subject._on_connect(subject.client, None, NEW_SESSION, success, None)
     assert sent == ["site/+/opened"]
 
 
@@ -142,27 +158,61 @@ def test_a_device_filter_waiting_when_the_connection_drops_is_never_struck_off()
     success = ReasonCode(mqtt.PacketTypes.CONNACK, "Success")
     for _ in range(bridge.SUBSCRIBE_STRIKES + 1):
         sent.clear()
-        subject._on_connect(subject.client, None, {}, success, None)
+        subject._on_connect(subject.client, None, NEW_SESSION, success, None)
         subject._on_disconnect(
             subject.client, None, {}, ReasonCode(mqtt.PacketTypes.DISCONNECT, "Keep alive timeout"), None
         )
 
     # then every device filter is subscribed again on the next connection
     sent.clear()
-    subject._on_connect(subject.client, None, {}, success, None)
+    subject._on_connect(subject.client, None, NEW_SESSION, success, None)
     assert "iotqueue/+/done" not in subject.refused and "iotqueue/+/done" in sent
 
 
 def test_a_filter_the_broker_refuses_in_its_suback_is_recorded():
     subject = refreshed(lambda: {"site/+/opened": RULE})
     subject.client.subscribe = lambda topic, qos: (mqtt.MQTT_ERR_SUCCESS, 41)
-    subject._on_connect(subject.client, None, {}, ReasonCode(mqtt.PacketTypes.CONNACK, "Success"), None)
+    subject._on_connect(subject.client, None, NEW_SESSION, CONNACK_SUCCESS, None)
 
     refusal = ReasonCode(mqtt.PacketTypes.SUBACK, identifier=0x80)
     subject._on_subscribe(subject.client, None, 41, [refusal], None)
 
     assert "refused" in subject.refused["site/+/opened"]
     assert subject._handler_for("site/7/opened") is None
+
+
+def test_a_kept_session_keeps_its_status_subscription_and_a_new_session_subscribes_it_again():
+    # Resubscribing the retained status filter would replay every device's status ahead of
+    # the replies queued for the session (iotqueue/retained.py).
+    bridge.handler_register("P/+/done", REPLIES)
+    bridge.handler_register("P/+/status", RULE, shared=False)
+    subject = refreshed()
+    sent = []
+    subject.client.subscribe = lambda topic, qos: sent.append(topic) or (mqtt.MQTT_ERR_SUCCESS, len(sent))
+    granted = ReasonCode(mqtt.PacketTypes.SUBACK, identifier=1)
+
+    subject._on_connect(subject.client, None, NEW_SESSION, CONNACK_SUCCESS, None)
+    assert sent == ["P/+/done", "P/+/status"]
+    subject._on_subscribe(subject.client, None, 1, [granted], None)
+    subject._on_subscribe(subject.client, None, 2, [granted], None)
+
+    sent.clear()
+    subject._on_connect(subject.client, None, KEPT_SESSION, CONNACK_SUCCESS, None)
+    assert sent == ["P/+/done"]
+
+    sent.clear()
+    subject._on_connect(subject.client, None, NEW_SESSION, CONNACK_SUCCESS, None)
+    assert sent == ["P/+/done", "P/+/status"]
+
+
+def test_a_status_filter_never_acknowledged_is_subscribed_again_in_a_kept_session():
+    # The process died between CONNACK and SUBACK: nothing was noted, so nothing is skipped.
+    bridge.handler_register("P/+/status", RULE, shared=False)
+    subject = refreshed()
+    sent = []
+    subject.client.subscribe = lambda topic, qos: sent.append(topic) or (mqtt.MQTT_ERR_SUCCESS, len(sent))
+    subject._on_connect(subject.client, None, KEPT_SESSION, CONNACK_SUCCESS, None)
+    assert sent == ["P/+/status"]
 
 
 # --- finding 4: device topics belong to the static handlers ---------------------------
