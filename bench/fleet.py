@@ -490,17 +490,22 @@ def result_write(result: dict[str, Any]) -> Path:
     return path
 
 
-def presence_report(
-    args: argparse.Namespace, stack: BenchStack, presence: dict[str, Any], load_at_start: list[float]
-) -> int:
-    """--presence-only: the presence figures as the result (file and last line); 0."""
-    machine = machine_describe(
+def _machine(stack: BenchStack, load_at_start: list[float]) -> dict[str, Any]:
+    """The machine and servers a result was measured on (code: not recorded here)."""
+    return machine_describe(
         redis_kind=stack.redis.kind,
         mqtt_kind=stack.broker.kind,
         database=stack.database,
         load_at_start=load_at_start,
         code=False,
     )
+
+
+def presence_report(
+    args: argparse.Namespace, stack: BenchStack, presence: dict[str, Any], load_at_start: list[float]
+) -> int:
+    """--presence-only: the presence figures as the result (file and last line); 0."""
+    machine = _machine(stack, load_at_start)
     result = {"devices": args.devices, "presence": presence, "arguments": vars(args), "machine": machine}
     path = result_write(result)
     say(f"fleet: wrote {path}; logs in {stack.log_dir()}")
@@ -540,13 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"fleet: {exc}")
             stack.errors_say(say)
             return 1
-        machine = machine_describe(
-            redis_kind=stack.redis.kind,
-            mqtt_kind=stack.broker.kind,
-            database=stack.database,
-            load_at_start=load_at_start,
-            code=False,
-        )
+        machine = _machine(stack, load_at_start)
         redis = {
             "used_memory_mb_no_devices": round(redis_before / MB, 2),
             "used_memory_mb_devices_online": round(redis_online / MB, 2),

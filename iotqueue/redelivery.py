@@ -105,6 +105,10 @@ class Redelivery:
 
     def hold_behind(self, held: Held) -> bool:
         """Hold `held` when its device already has messages held (True); False: handle it now."""
+        # Nothing held (nearly always): no lock. Only this thread adds a device's queue, so
+        # an empty dict read here cannot miss one of this device's.
+        if not self._queues:
+            return False
         with self._cond:
             if held.device not in self._queues:
                 return False
