@@ -9,6 +9,7 @@ that fires late, twice, or after its step moved on changes nothing. Kinds that n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from django.db import transaction
@@ -17,6 +18,7 @@ from django.utils import timezone
 from ..deadlines import RUN_KINDS, Deadline, deadlines_set
 from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
+from .batch import deadlines_apply
 from .dispatch import command_resend, dispatch_if_holding
 from .fanout import fanout_pump
 from .plan import spec_kind, step_answerer, step_spec
@@ -70,6 +72,26 @@ def _pump_due(step_run: StepRun, deadline: Deadline) -> None:
 
 def _wake_due(step_run: StepRun, deadline: Deadline) -> None:
     delay_end(step_run=step_run)
+
+
+log = logging.getLogger(__name__)
+
+
+def step_deadlines(deadlines: list[Deadline]) -> None:
+    """Due deadlines claimed together: the attempts they time out and the retries they
+    start as one transition (jobs/engine/batch.py `deadlines_apply`), the rest one at a
+    time; one failing does not stop the others."""
+    try:
+        left = deadlines_apply(deadlines)
+    except Exception:
+        # Each is applied on its own instead: one whose row moved meanwhile changes nothing.
+        log.exception("a batch of %d deadlines failed; applying them one at a time", len(deadlines))
+        left = deadlines
+    for deadline in left:
+        try:
+            step_deadline(deadline=deadline)
+        except Exception:
+            log.exception("deadline %s failed; the database sweep will find its step again", deadline.member)
 
 
 DeadlineHandler = Callable[[StepRun, Deadline], None]
