@@ -146,12 +146,12 @@ def entries_done(ids: list[str], pipe: Any) -> None:
 
 
 def _batch_acknowledge(
-    ids: list[str], applied: Applied, *, count: int, helper: bool, read: bool
+    conn: Any, ids: list[str], applied: Applied, *, count: int, helper: bool, read: bool
 ) -> list[tuple[str, dict]] | None:
     """Send the batch's last writes, `entries_done` and (with `read`) the drain's next
     read in one round trip; returns what the read found (None: nothing was read, or the
     read failed; the drain reads again)."""
-    with redis_connection().pipeline(transaction=False) as pipe:
+    with conn.pipeline(transaction=False) as pipe:
         entries_done(ids, pipe)
         if read:
             INBOX.read_queue(pipe, count=count, helper=helper)
@@ -221,7 +221,7 @@ def inbox_drain(
         if on_batch is not None:
             on_batch(work)
         applied = apply(work)
-        read_next = _batch_acknowledge(ids, applied, count=count, helper=helper, read=read)
+        read_next = _batch_acknowledge(conn, ids, applied, count=count, helper=helper, read=read)
         done += len(entries)
     # Time slice over with entries perhaps still waiting: hand the drain to a new task
     # (its wake flag stays set, so it is the only one of its kind).

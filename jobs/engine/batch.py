@@ -115,7 +115,6 @@ def _items_isolate(items: list[tuple[str | None, object]], *, last: LastWrites |
         replies = [(device, reply) for device, reply in items if device is not None]
         starts = [run_id for device, run_id in items if device is None]
         transition_apply(replies=replies, starts=starts, last=last)
-        return
     except TRANSIENT:
         raise
     except Exception as exc:
