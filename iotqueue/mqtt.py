@@ -202,7 +202,7 @@ class Publisher(ProcessClient):
 
         Per message: its MQTTMessageInfo (`is_published()` turns True when the broker's
         PUBACK arrives) or, when it could not even be queued, why. The caller checks the
-        infos later (`unconfirmed_close` when one is overdue).
+        infos later and closes the client when one is overdue (jobs/engine/publish.py).
         """
         if not messages:
             return []

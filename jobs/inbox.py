@@ -13,7 +13,9 @@ same rows; at low load a batch is the one reply that woke the worker. The stream
 mechanics (wake flag, consumer group, take-over) are iotqueue/workstream.py's; the drain
 loop, its linger and its helper are this module's.
 
-How it fails: an entry is acknowledged only after its batch committed and published. An
+How it fails: an entry is acknowledged only after its batch committed and published: the
+drain sends the batch's last Redis writes (the `LastWrites` that applying it returns) in
+one pipeline with the acknowledgement and its next read, once `apply` returned. An
 input the engine cannot apply (a poison reply or run) never takes its batch down: the
 engine applies the batch in halves and drops only what fails alone, recorded
 (jobs/engine/batch.py `inbox_apply`). A worker that dies (or whose batch raised, e.g. with
@@ -33,8 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from celery import current_app
 
@@ -59,9 +60,17 @@ class Work:
     starts: list[str] = field(default_factory=list)
 
 
-# apply(work, finally_=hook): commits, then calls hook(pipe) on a pipeline it executes;
-# what hook returns (if anything) is then handed the replies to the commands hook added.
-Apply = Callable[..., None]
+class Applied(Protocol):
+    """What applying a batch leaves to write to Redis (the engine's `LastWrites`), sent by
+    the inbox in the pipeline of its acknowledgement."""
+
+    def execute(self, pipe: Any) -> list:
+        """Send the writes after the commands on `pipe`; returns the replies to those."""
+
+
+# apply(work): applies a batch, committed and published when it returns; raises when the
+# batch as a whole failed (its entries stay pending and are applied again).
+Apply = Callable[[Work], Applied]
 
 
 # A summary names at most this many runs, steps or devices, then "+N more".
@@ -136,20 +145,20 @@ def entries_done(ids: list[str], pipe: Any) -> None:
     INBOX.done(ids, pipe)
 
 
-def _done_and_read_next(
-    ids: list[str], pipe: Any, *, count: int, helper: bool, into: list
-) -> Callable[[list], None]:
-    """`entries_done`, and the drain's next read in the same round trip (the batch's last
-    pipeline): what waits is put in `into`; a failed read leaves it empty (read again)."""
-    entries_done(ids, pipe)
-    INBOX.read_queue(pipe, count=count, helper=helper)
-
-    def take(replies: list) -> None:
-        answer = replies[-1]
-        if not isinstance(answer, Exception):
-            into.append(INBOX.entries_of(answer))
-
-    return take
+def _batch_acknowledge(
+    conn: Any, ids: list[str], applied: Applied, *, count: int, helper: bool, read: bool
+) -> list[tuple[str, dict]] | None:
+    """Send the batch's last writes, `entries_done` and (with `read`) the drain's next
+    read in one round trip; returns what the read found (None: nothing was read, or the
+    read failed; the drain reads again)."""
+    with conn.pipeline(transaction=False) as pipe:
+        entries_done(ids, pipe)
+        if read:
+            INBOX.read_queue(pipe, count=count, helper=helper)
+        replies = applied.execute(pipe)
+    if not read or isinstance(replies[-1], Exception):
+        return None
+    return INBOX.entries_of(replies[-1])
 
 
 def inbox_drain(
@@ -167,21 +176,22 @@ def inbox_drain(
     returns (0: not at all). A read that comes back full (`batch_max` entries: a backlog)
     calls in one `helper` drain, a second worker process that shares the backlog and returns
     as soon as it finds the inbox empty. A raise in `apply`
-    leaves the entries it got pending (the task is retried). Within the time slice, each
-    batch's last pipeline acknowledges its entries and reads the next ones in one round
-    trip; entries read that way are applied even when the slice ended meanwhile (they
-    are pending under this consumer: a new task would not read them). `on_batch(work)` is
-    called with each batch before it is applied (the task's batch event).
+    leaves the entries it got pending (the task is retried). Within the time slice, one
+    pipeline after each batch sends its last writes, acknowledges its entries and reads
+    the next ones (one round trip); entries read that way are applied even when the
+    slice ended meanwhile (they are pending under this consumer: a new task would not
+    read them). `on_batch(work)` is called with each batch before it is applied (the
+    task's batch event).
     """
     conn = redis_connection()
     count = max(1, batch_max)
     done = 0
     own_pending = retried
     stop = time.monotonic() + DRAIN_SECONDS
-    read_next: list[list] = []  # entries read with the last batch's final pipeline
+    read_next: list[tuple[str, dict]] | None = None  # what the last batch's pipeline read
     while True:
-        if read_next:
-            entries = read_next.pop()
+        if read_next is not None:
+            entries, read_next = read_next, None
         elif time.monotonic() < stop:
             entries = INBOX.read(conn, count=count, own_pending=own_pending, helper=helper)
         else:
@@ -206,14 +216,12 @@ def inbox_drain(
         ):
             current_app.signature(DRAIN_TASK, kwargs={"helper": True}).delay()
         ids = [entry_id for entry_id, _ in entries]
-        if time.monotonic() < stop:
-            finally_ = partial(_done_and_read_next, ids, count=count, helper=helper, into=read_next)
-        else:
-            finally_ = partial(entries_done, ids)  # the last batch of this slice reads nothing more
+        read = time.monotonic() < stop  # the last batch of this slice reads nothing more
         work = _work(entries)
         if on_batch is not None:
             on_batch(work)
-        apply(work, finally_=finally_)
+        applied = apply(work)
+        read_next = _batch_acknowledge(conn, ids, applied, count=count, helper=helper, read=read)
         done += len(entries)
     # Time slice over with entries perhaps still waiting: hand the drain to a new task
     # (its wake flag stays set, so it is the only one of its kind).
@@ -228,8 +236,9 @@ def inbox_reclaim(apply: Apply, *, count: int) -> int:
     if not entries:
         return 0
     ids = [entry_id for entry_id, _ in entries]
+    applied = None
     try:
-        apply(_work(entries))
+        applied = apply(_work(entries))
     except Exception:
         log.exception("inbox: re-claimed entries %s failed again; dropping them", ids)
     finally:
@@ -239,5 +248,8 @@ def inbox_reclaim(apply: Apply, *, count: int) -> int:
         # end by their own deadlines and its runs are found by the monitor's sweep.
         with conn.pipeline(transaction=False) as pipe:
             entries_done(ids, pipe)
-            pipe.execute()
+            replies = pipe.execute() if applied is None else applied.execute(pipe)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
     return len(entries)

@@ -1,13 +1,14 @@
 """Celery tasks: thin entry points that take ids and JSON values and call the engine.
 
 Every task is safe to run twice (acks_late redelivery): the engine's transitions are
-compare-and-sets on (step, attempt, command id, fence).
+compare-and-sets on (step, attempt, command id, fence). Every task is an `EngineTask`: the
+commands it publishes are confirmed before it returns.
 """
 
 import logging
 from functools import partial
 
-from celery import shared_task
+from celery import Task, shared_task
 from celery.exceptions import Ignore
 from django.conf import settings
 from django.db import DatabaseError
@@ -15,21 +16,32 @@ from redis.exceptions import RedisError
 
 from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, dispatch, due, taskstep
+from .engine import batch, due, taskstep
+from .engine.publish import Publications
 from .models import JobRun
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name=services.RUN_ADVANCE_TASK)
+class EngineTask(Task):
+    """A task whose body runs inside its own `Publications` (jobs/engine/publish.py): before
+    it returns, raises or retries, the commands it published without waiting are confirmed
+    (their `send` deadlines cleared), or left to those deadlines if the broker is silent."""
+
+    def __call__(self, *args, **kwargs):
+        # `run`, not `super().__call__`: the worker has pushed the task's request already
+        # (Task.__call__ would push a bare one over it, without id or retries).
+        with Publications():
+            return self.run(*args, **kwargs)
+
+
+@shared_task(base=EngineTask, name=services.RUN_ADVANCE_TASK)
 def run_advance_task(run_id: str) -> None:
-    try:
-        batch.run_begin(run_id=run_id)
-    finally:
-        dispatch.commands_settle()
+    batch.run_begin(run_id=run_id)
 
 
 @shared_task(
+    base=EngineTask,
     bind=True,
     name=inbox.DRAIN_TASK,
     autoretry_for=(DatabaseError, RedisError, batch.BatchRetry),
@@ -38,17 +50,14 @@ def run_advance_task(run_id: str) -> None:
 )
 def inbox_drain_task(self, helper: bool = False) -> int:
     """Apply what waits in the engine's inbox (jobs/inbox.py)."""
-    try:
-        return inbox.inbox_drain(
-            batch.inbox_apply,
-            batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX,
-            linger_ms=settings.IOTQUEUE_INBOX_LINGER_MS,
-            retried=self.request.retries > 0,
-            helper=helper,
-            on_batch=partial(_batch_event, self) if self.app.conf.worker_send_task_events else None,
-        )
-    finally:
-        dispatch.commands_settle()
+    return inbox.inbox_drain(
+        batch.inbox_apply,
+        batch_max=settings.IOTQUEUE_REPLY_BATCH_MAX,
+        linger_ms=settings.IOTQUEUE_INBOX_LINGER_MS,
+        retried=self.request.retries > 0,
+        helper=helper,
+        on_batch=partial(_batch_event, self) if self.app.conf.worker_send_task_events else None,
+    )
 
 
 # The drain's custom Celery event, one per batch it takes (task events on only): what it
@@ -65,7 +74,7 @@ def _batch_event(task, work: inbox.Work) -> None:
         log.warning("inbox: the drain's batch event was not sent (%r)", exc)
 
 
-@shared_task(bind=True, name=canvas.PARK_TASK, ignore_result=False)
+@shared_task(base=EngineTask, bind=True, name=canvas.PARK_TASK, ignore_result=False)
 def device_command_task(self, previous=None, *, device: str, action: str, args: dict, options: dict) -> None:
     """A device command link of a Celery canvas (jobs/canvas.py): parks the canvas in a run.
 
@@ -81,6 +90,7 @@ def device_command_task(self, previous=None, *, device: str, action: str, args: 
 
 
 @shared_task(
+    base=EngineTask,
     name=canvas.RESUME_TASK,
     autoretry_for=(DatabaseError, RedisError),
     default_retry_delay=0.5,
@@ -90,43 +100,40 @@ def canvas_resume_task(run_id: str) -> None:
     canvas.canvas_resume(run_id)
 
 
-@shared_task(name=taskstep.TASK_STEP_RUN_TASK)
+@shared_task(base=EngineTask, name=taskstep.TASK_STEP_RUN_TASK)
 def task_step_run_task(step_run_id: int, command_id: str) -> None:
     """One attempt of a template's task step: the registered task's body, its outcome as `done`."""
     taskstep.task_step_execute(step_run_id=step_run_id, command_id=command_id)
 
 
-@shared_task(name=monitor.DEADLINES_TASK)
+@shared_task(base=EngineTask, name=monitor.DEADLINES_TASK)
 def step_deadlines_task(members: list[str]) -> None:
     """A chunk of due deadlines, applied together (jobs/engine/due.py `step_deadlines`)."""
     due.step_deadlines([Deadline.parse(member) for member in members])
 
 
-@shared_task(name=beat.MONITOR_TASK)
+@shared_task(base=EngineTask, name=beat.MONITOR_TASK)
 def monitor_tick_task() -> dict:
-    try:
-        return monitor.monitor_tick()
-    finally:
-        dispatch.commands_settle()
+    return monitor.monitor_tick()
 
 
-@shared_task(name=current.JOBS_GET_TASK)  # sent by the bridge's jobs/get handler
+@shared_task(base=EngineTask, name=current.JOBS_GET_TASK)  # sent by the bridge's jobs/get handler
 def device_jobs_get_task(device: str) -> None:
     current.device_jobs_answer(device=device)
 
 
-@shared_task(name="jobs.devices_presence")  # sent by jobs/apps.py, one per presence group
+@shared_task(base=EngineTask, name="jobs.devices_presence")  # sent by jobs/apps.py, one per presence group
 def devices_presence_task(changes: list[list]) -> None:
     presence.devices_presence(changes)
 
 
-@shared_task(name="jobs.run_cancel")
+@shared_task(base=EngineTask, name="jobs.run_cancel")
 def run_cancel_task(run_id: str, by: str) -> None:
     run = JobRun.objects.filter(pk=run_id).first()
     if run is not None:
         cancel.run_cancel(run=run, by=by)
 
 
-@shared_task(name=beat.RETENTION_TASK)
+@shared_task(base=EngineTask, name=beat.RETENTION_TASK)
 def runs_prune_task() -> int:
     return retention.runs_prune()

@@ -10,6 +10,8 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  ends it (kinds and policies plug in through registries)
     attempts.py  ending an attempt: succeeded, retrying (back-off), failed, timed out
     start.py     starting the step at a run's cursor, by kind (registry)
+    publish.py   the commands a task published without waiting for the broker, confirmed
+                 before it ends (`Publications`)
     dispatch.py  taking the device lock, committing the attempt, publishing the command
     plan.py      what a step row executes (spec, target, args, ids); no writes
 

@@ -17,9 +17,12 @@ for new runs to start, and a worker takes what has gathered in the inbox
    granted;
 4. inserts its new rows whole, dispatched where they got a lock, marks dispatched the
    other runs' rows the releases handed a device to, inserts every event, and commits;
-5. publishes every resulting command at once (QoS 1, acknowledgements awaited together),
-   then clears their `send` deadlines and counts the metrics in one pipeline; only then
-   are the events logged and the lifecycle ones sent out (`EventLog.committed`).
+5. publishes every resulting command at once (QoS 1, into the unit of work's
+   `Publications`, jobs/engine/publish.py, which awaits the acknowledgements), and gathers
+   its last Redis writes (`LastWrites`: the `send` deadlines of the commands the broker
+   acknowledged by now, the runs' deadlines, the metrics), sent in one pipeline by the
+   transition or, with the inbox's acknowledgement, by its caller (jobs/inbox.py); then
+   the events are logged and the lifecycle ones sent out (`EventLog.committed`).
 
 The decisions of stages 1 to 4 are planner.py's (they build a `Plan`, without I/O);
 `_Batch` carries the plan out (the reads between the stages, the writes, the lock calls,
@@ -75,7 +78,7 @@ from ..inbox import Work
 from ..models import JobRun, RunStatus, StepRun, StepStatus
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
-from .batch_publish import BatchPublish, PipeHook
+from .batch_publish import BatchPublish, LastWrites
 from .dispatch import step_acquire, step_dispatch
 from .plan import RUN_ACTIVE, is_task_row, step_holder
 from .planner import Plan, RowWrite
@@ -99,48 +102,46 @@ class BatchRetry(Exception):
 CONFLICT_RETRIES = 1
 
 
-def inbox_apply(work: Work, *, finally_: PipeHook | None = None) -> None:
-    """Apply what a worker took from the inbox (jobs/inbox.py) as one transition.
-
-    `finally_(pipe)` adds Redis commands to the batch's last pipeline, once everything is
-    committed and published (the inbox acknowledges its entries there).
+def inbox_apply(work: Work) -> LastWrites:
+    """Apply what a worker took from the inbox (jobs/inbox.py) as one transition; returns
+    its last Redis writes, which the inbox sends with its acknowledgement (one round trip)
+    once this returned: everything is then committed and published.
 
     How it fails: a failure that says nothing about the input (TRANSIENT: the database or
     Redis unreachable, a lock conflict) is raised, and the task applies the batch again. Any
     other failure is taken to be one input's doing (a reply or a run the engine cannot
     apply): the batch is applied in halves, and halves of what fails, until each input that
     fails alone is found; those are dropped and recorded (`poison_drop`), everyone else's
-    replies and run starts are applied, and `finally_` runs once at the end.
+    replies and run starts are applied (the halves send their own last writes).
     """
     items = [(device, protocol.Reply(**payload)) for device, payload in work.replies]
     items += [(None, run_id) for run_id in work.starts]
-    if not _items_isolate(items, finally_=finally_):
-        transition_apply(finally_=finally_)  # nothing left to apply: the inbox's acknowledgement
+    last = LastWrites()
+    _items_isolate(items, last=last)
+    return last
 
 
 # Failures of the batch as a whole, not of one of its inputs: applied again, whole.
 TRANSIENT = (OperationalError, InterfaceError, RedisError, BatchRetry)
 
 
-def _items_isolate(items: list[tuple[str | None, object]], *, finally_: PipeHook | None = None) -> bool:
-    """Apply `items` as one transition (True); when that fails for a reason of their own,
-    apply each half the same way, down to the inputs that fail alone, dropped (False)."""
+def _items_isolate(items: list[tuple[str | None, object]], *, last: LastWrites | None = None) -> None:
+    """Apply `items` as one transition; when that fails for a reason of their own, apply
+    each half the same way, down to the inputs that fail alone, dropped."""
     try:
         replies = [(device, reply) for device, reply in items if device is not None]
         starts = [run_id for device, run_id in items if device is None]
-        transition_apply(replies=replies, starts=starts, finally_=finally_)
-        return True
+        transition_apply(replies=replies, starts=starts, last=last)
     except TRANSIENT:
         raise
     except Exception as exc:
         if len(items) == 1:
             poison_drop(items[0], exc)
-            return False
+            return
         log.warning("a batch of %d inputs failed (%r); applying it in halves", len(items), exc)
         half = len(items) // 2
         _items_isolate(items[:half])
         _items_isolate(items[half:])
-        return False
 
 
 def poison_drop(item: tuple[str | None, object], exc: Exception) -> None:
@@ -177,13 +178,14 @@ def transition_apply(
     *,
     replies: list[tuple[str, protocol.Reply]] = (),
     starts: list[str] = (),
-    finally_: PipeHook | None = None,
+    last: LastWrites | None = None,
     retries: int = CONFLICT_RETRIES,
 ) -> None:
     """Apply replies that arrived together and start pending runs (see the module docstring).
 
     On a conflict the batch is read and applied again, `retries` times at most, then one
-    reply at a time.
+    reply at a time. With `last`, the batch's last Redis writes are added to it, for the
+    caller to send with commands of its own; without, the transition sends them.
     """
     rows = {}
     if replies:
@@ -194,8 +196,7 @@ def transition_apply(
         }
     runs = {run.pk: run for run in rows_select(JobRun, "id", starts)} if starts else {}
     batch = _Batch(rows)
-    if finally_ is not None:
-        batch.finally_.append(finally_)
+    batch.last = last
 
     def prepare() -> None:
         planner.runs_begin(batch.plan, runs, list(starts))
@@ -207,11 +208,9 @@ def transition_apply(
             _safely(partial(run_advance, run_id=run_id))
         for device, reply in replies:
             _safely(partial(step_reply, device=device, reply=reply))
-        batch.plan.dispatches = []
-        batch.publish()  # nothing to publish: runs the caller's `finally_` commands
 
     def again() -> None:
-        transition_apply(replies=replies, starts=starts, finally_=finally_, retries=retries - 1)
+        transition_apply(replies=replies, starts=starts, last=last, retries=retries - 1)
 
     if retries > 0:
         _transition(batch, prepare, again, "applying it again from a fresh read")
@@ -238,12 +237,11 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
         planner.runs_continue(batch.plan)
 
     def again() -> None:
-        conflicted.extend(deadlines_apply(planned, retries=retries - 1) if retries > 0 else planned)
-        batch.plan.dispatches = []
-        batch.publish()
+        conflicted.append(deadlines_apply(planned, retries=retries - 1) if retries > 0 else planned)
 
     _transition(batch, prepare, again, "applying it again" if retries > 0 else "applying one at a time")
-    return left + batch.plan.unplanned + conflicted
+    # A batch that conflicted was rolled back: what is left is its retry's.
+    return left + (conflicted[0] if conflicted else batch.plan.unplanned)
 
 
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires
@@ -280,8 +278,6 @@ def _rows_start(step_run_ids: list[int]) -> None:
     def one_at_a_time() -> None:
         for row in batched:
             _safely(partial(step_acquire, step_run=row))
-        batch.plan.dispatches = []
-        batch.publish()
 
     if batched:
         _transition(batch, prepare, one_at_a_time, "starting its rows one at a time")
@@ -300,8 +296,8 @@ def _transition(
     """The shared shape of a batched transition: `prepare` plans what ended and who moves
     on; then the next rows, the lock call, the dispatches, the events, the commit, the
     publishes; then the one-at-a-time leftovers. A conflict rolls everything back (undoing
-    the lock call when it came after it) and hands over to `conflicted` (which runs the
-    caller's `finally_`)."""
+    the lock call when it came after it) and hands over to `conflicted` (the batch rolled
+    back writes nothing more)."""
     try:
         with rows_atomic():
             prepare()
@@ -356,7 +352,9 @@ class _Batch(BatchPublish):
         self.queued = 0  # how many of plan.writes are in `writes`
         self.outcomes: list = []
         self.later: list[Callable[[], None]] = []  # publish failures' events (batch_publish.py)
-        self.finally_: list[PipeHook] = []
+        # Where `publish` adds the last Redis writes: the caller's, who sends them with its
+        # own commands (the inbox's acknowledgement); None: `publish` sends them itself.
+        self.last: LastWrites | None = None
         # What a planned write after the lock call raises when a row moved: the task runs
         # again (BatchRetry), or a fan-out's pump goes one row at a time (BatchConflict).
         self.dispatch_conflict: type[Exception] = BatchRetry

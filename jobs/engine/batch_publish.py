@@ -1,56 +1,86 @@
 """Stage 5 of a batched transition (jobs/engine/batch.py): after the commit, the commands
-leave and the batch's last pipeline runs.
+leave, and what the batch still writes to Redis is gathered as its `LastWrites`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from datetime import datetime
 from functools import partial
 from typing import Any
 
+from iotqueue.metrics import MetricsBatch
 from iotqueue.redis_conn import lock_redis_connection, lock_redis_shared, redis_connection
 
-from ..deadlines import deadlines_clear, deadlines_set
+from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record
-from .dispatch import commands_confirmed, commands_publish
+from .publish import publications_open
 
-# Adds commands to a Redis pipeline; may return a function that is handed the replies
-# to those commands (an error as its exception) once the pipeline ran.
-PipeHook = Callable[[Any], Callable[[list], None] | None]
+
+class LastWrites:
+    """What transitions write to Redis once committed and published, in one round trip (two
+    while the locks have a Redis of their own): the `send` deadlines of commands the
+    broker acknowledged, the runs' deadlines, the metrics.
+
+    A transition runs its own (`execute()`), unless its caller gathers them to run them in
+    a pipeline of its own commands: the inbox acknowledges its entries and reads the next
+    ones in the same round trip (jobs/inbox.py).
+    """
+
+    def __init__(self) -> None:
+        self.cleared: list[Deadline] = []
+        self.deadlines: dict[Deadline, datetime] = {}
+        self.metrics = MetricsBatch()
+
+    def __bool__(self) -> bool:
+        return bool(self.cleared or self.deadlines or self.metrics)
+
+    def execute(self, pipe: Any | None = None) -> list:
+        """Send the writes; with `pipe` (a pipeline of `redis_connection()`, without a
+        transaction), after the caller's commands already on it.
+
+        Returns the replies to the caller's commands, an error as its exception, for the
+        caller to judge; an error of the writes' own commands raises (the caller's
+        commands were sent all the same).
+        """
+        if pipe is None:
+            if not self:
+                return []
+            with redis_connection().pipeline(transaction=False) as own:
+                return self.execute(own)
+        theirs = len(pipe)
+        # One round trip while the locks share REDIS_URL; else one more, to LOCK_REDIS_URL.
+        locks = pipe if lock_redis_shared() else lock_redis_connection().pipeline(transaction=False)
+        deadlines_clear(self.cleared, pipe=locks)
+        deadlines_set(self.deadlines, pipe=locks)
+        self.metrics.pipe_add(pipe)
+        self.cleared, self.deadlines = [], {}
+        replies = pipe.execute(raise_on_error=False)
+        if locks is not pipe:
+            locks.execute()
+        for reply in replies[theirs:]:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[:theirs]
 
 
 class BatchPublish:
-    """Publishing and the last pipeline. The state is `_Batch`'s (jobs/engine/batch.py)."""
+    """Publishing and the last writes. The state is `_Batch`'s (jobs/engine/batch.py)."""
 
     # --- 5. after the commit ---------------------------------------------------------
 
     def publish(self) -> None:
-        """Publish every command of the batch; clear the `send` checks of those the broker
-        has acknowledged by now, count the metrics, run the caller's `finally_` commands
-        (the inbox acknowledges the batch's entries there and reads the next ones)."""
-        for row, failure in commands_publish(self.dispatches):
-            # The `send` deadline re-sends it; the device deduplicates by id.
-            self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
-        confirmed = commands_confirmed()
-        with redis_connection().pipeline(transaction=False) as pipe:
-            # One round trip while the locks share REDIS_URL; else one more, to LOCK_REDIS_URL.
-            locks = pipe if lock_redis_shared() else lock_redis_connection().pipeline(transaction=False)
-            deadlines_clear(confirmed, pipe=locks)
-            deadlines_set(self.run_deadlines, pipe=locks)
-            self.events.metrics.pipe_add(pipe)
-            takers = []
-            for hook in self.finally_:
-                start = len(pipe)
-                take = hook(pipe)
-                if take is not None:
-                    takers.append((take, start, len(pipe)))
-            # A hook's own commands answer to it, errors included; any other error raises.
-            replies = pipe.execute(raise_on_error=False)
-            if locks is not pipe:
-                locks.execute()
-        taken = {i for _, start, end in takers for i in range(start, end)}
-        for i, reply in enumerate(replies):
-            if i not in taken and isinstance(reply, Exception):
-                raise reply
-        for take, start, end in takers:
-            take(replies[start:end])
+        """Publish every command of the batch into the unit of work's `Publications`
+        (jobs/engine/publish.py); then the last writes: clear the `send` deadlines of the
+        commands the broker has acknowledged by now, set the runs' deadlines, count the
+        metrics — added to the caller's `LastWrites` (`self.last`) or sent here."""
+        with publications_open() as publications:
+            for row, failure in publications.publish(self.dispatches):
+                # The `send` deadline re-sends it; the device deduplicates by id.
+                self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
+            confirmed = publications.confirmed()
+        last = self.last if self.last is not None else LastWrites()
+        last.cleared += confirmed
+        last.deadlines.update(self.run_deadlines)
+        last.metrics.extend(self.events.metrics)
+        if self.last is None:
+            last.execute()

@@ -9,9 +9,7 @@ lock on (devices/locks.py grant handlers; jobs/apps.py registers `step_handoff`)
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -32,7 +30,7 @@ from devices.locks import (
     device_lock_pass_on,
     device_lock_state,
 )
-from iotqueue.mqtt import PUBLISH_TIMEOUT_SECONDS, PublishError, publisher
+from iotqueue.mqtt import PublishError, publisher
 from iotqueue.redis_conn import redis_connection
 
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
@@ -247,63 +245,6 @@ def command_send(*, step_run: StepRun) -> bool:
         event_record("step.publish_failed", step_run=step_run, message=str(exc))
         return False
     return True
-
-
-# Commands handed to the MQTT client whose PUBACK was not seen yet, oldest first, per
-# process: (message info, its `send` deadline, time.monotonic() when published).
-_unconfirmed: list[tuple[Any, Deadline, float]] = []
-
-
-def commands_publish(rows: list[StepRun]) -> list[tuple[StepRun, str]]:
-    """Publish each row's current command without waiting for the broker (QoS 1).
-
-    The `send` deadlines stay until the broker's acknowledgement is seen
-    (`commands_confirmed`); returns (row, why) for commands that could not be queued at
-    all, which their `send` deadline re-sends.
-    """
-    outcomes = publisher.publish_nowait([command_message(row) for row in rows])
-    failed, now = [], time.monotonic()
-    for row, outcome in zip(rows, outcomes, strict=True):
-        if isinstance(outcome, str):
-            failed.append((row, outcome))
-        else:
-            _unconfirmed.append((outcome, Deadline.of("send", row), now))
-    return failed
-
-
-def commands_confirmed(*, wait: bool = False) -> list[Deadline]:
-    """The `send` deadlines of commands the broker acknowledged since the last call.
-
-    With `wait`, waits for the others (each up to PUBLISH_TIMEOUT_SECONDS from its
-    publish). One left unacknowledged past that makes the client drop its queue, as a
-    failed `publish` does (iotqueue/mqtt.py): a late copy must never leave after its
-    attempt moved on; every unconfirmed command is then left to its `send` deadline.
-    """
-    confirmed, waiting = [], []
-    for info, send, published_at in _unconfirmed:
-        remaining = published_at + PUBLISH_TIMEOUT_SECONDS - time.monotonic()
-        if wait and remaining > 0 and not info.is_published():
-            with contextlib.suppress(RuntimeError, ValueError):
-                info.wait_for_publish(timeout=remaining)
-        if info.is_published():
-            confirmed.append(send)
-        elif time.monotonic() - published_at > PUBLISH_TIMEOUT_SECONDS:
-            log.warning(
-                "no PUBACK for %s within %ss; dropping the MQTT client", send.member, PUBLISH_TIMEOUT_SECONDS
-            )
-            publisher.close()
-            _unconfirmed.clear()
-            return confirmed
-        else:
-            waiting.append((info, send, published_at))
-    _unconfirmed[:] = waiting
-    return confirmed
-
-
-def commands_settle() -> None:
-    """Before a task returns: wait for the broker to acknowledge what it published, and
-    clear those commands' `send` deadlines."""
-    deadlines_clear(commands_confirmed(wait=True))
 
 
 def command_resend(*, step_run: StepRun, attempt: int) -> None:

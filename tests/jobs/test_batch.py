@@ -16,9 +16,10 @@ from django.test.utils import CaptureQueriesContext
 from devices.locks import device_lock_state
 from devices.protocol import Reply
 from iotqueue import workstream
-from iotqueue.redis_conn import redis_connection
+from iotqueue.redis_conn import lock_redis_connection, redis_connection
 from jobs import inbox
 from jobs.cancel import run_cancel
+from jobs.deadlines import Deadline, deadlines_key
 from jobs.engine import batch as engine_batch
 from jobs.events import EventLog, lifecycle_events
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
@@ -146,7 +147,7 @@ def test_a_conflict_applies_the_batch_again_and_the_other_replies_still_go_toget
 def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, manual_device, monkeypatch):
     # given a step in flight, and batches that always find a row moved under them
     device, hand, run, first = two_steps_on_one_device(manual_device)
-    conflicts, hooks = [], []
+    conflicts = []
 
     def always_moved(plan):
         conflicts.append(1)
@@ -154,15 +155,16 @@ def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, ma
 
     monkeypatch.setattr(engine_batch.planner, "runs_continue", always_moved)
 
-    # when the device's done is applied with a finally_ hook (the inbox's acknowledgement)
-    engine_batch.transition_apply(
-        replies=[(device.name, done(first["id"]))], finally_=lambda pipe: hooks.append(1)
-    )
+    # when the device's done is applied for a caller that sends the last writes itself (the
+    # inbox, with its acknowledgement)
+    last = engine_batch.LastWrites()
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))], last=last)
 
     # then the batch was tried 1 + CONFLICT_RETRIES times, then the reply was applied on
-    # the general path, and the hook ran once
+    # the general path, and the batches that rolled back left the caller nothing to write
+    # (no metrics of their events, no run deadlines)
     assert len(conflicts) == 1 + engine_batch.CONFLICT_RETRIES
-    assert hooks == [1]
+    assert not last
     step0 = StepRun.objects.get(run=run, index=0)
     assert step0.status == StepStatus.SUCCEEDED
     second = hand.next_command()
@@ -360,3 +362,31 @@ def test_a_batch_taken_by_a_worker_that_died_is_reclaimed_and_applied(stack, man
     wait_for(
         lambda: conn.xpending(inbox.INBOX.key(), inbox.GROUP)["pending"] == 0, what="the entry acknowledged"
     )
+
+
+def send_pending(step: StepRun) -> bool:
+    """Whether the step's current attempt still has its `send` deadline (publish unconfirmed)."""
+    deadline = Deadline.of("send", step)
+    return lock_redis_connection().zscore(deadlines_key(deadline.shard), deadline.member) is not None
+
+
+def test_published_commands_have_their_send_deadlines_cleared_by_task_and_by_direct_call(
+    stack, manual_device
+):
+    # given a run's first command, published by the worker's drain task (a run start)
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    step0 = StepRun.objects.get(run=run, index=0)
+
+    # then the broker's PUBACK cleared its `send` deadline (before the task returned)
+    wait_for(lambda: not send_pending(step0), what="the first command's send deadline cleared")
+
+    # when its done is applied by a direct call, outside any task, and publishes the next
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+
+    # then the next command's `send` deadline is cleared too: the transition's own
+    # Publications waited for its PUBACK; nothing was re-sent
+    second = hand.next_command()
+    step1 = StepRun.objects.get(run=run, index=1)
+    assert second["id"] == step1.command_id
+    assert not send_pending(step1)
+    assert "step.resent" not in kinds(run)

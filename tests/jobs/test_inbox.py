@@ -1,9 +1,10 @@
 """The engine's inbox drain (jobs/inbox.py) with the real batch apply, against the real Redis.
 
-Each batch's last pipeline acknowledges its entries and reads the next ones in the same
-round trip. These tests append entries while a batch is being applied (as the bridge does
-under load) and check that the drain applies them, in order, and leaves nothing pending
-under its consumer — also when its time slice ends during the batch that read them.
+One pipeline after each batch sends its last writes, acknowledges its entries and reads
+the next ones (one round trip). These tests append entries while a batch is being applied
+(as the bridge does under load) and check that the drain applies them, in order, and
+leaves nothing pending under its consumer — also when its time slice ends during the
+batch that read them.
 
 The inbox is given a key prefix of its own, so the stack's worker never drains it. The
 replies answer no step (command ids nobody issued): the engine records each as
@@ -15,6 +16,7 @@ import time
 import uuid
 
 import pytest
+from django.db import OperationalError
 
 from iotqueue.redis_conn import redis_connection, redis_key
 from jobs import inbox
@@ -55,12 +57,12 @@ def test_entries_that_arrive_during_a_batch_are_read_with_its_last_pipeline(own_
     append("c-1")
     batches = []
 
-    def apply(work, *, finally_=None):
+    def apply(work):
         batches.append([payload["command_id"] for _, payload in work.replies])
         if len(batches) == 1:
             append("c-2")
             append("c-3")
-        batch.inbox_apply(work, finally_=finally_)
+        return batch.inbox_apply(work)
 
     applied = inbox.inbox_drain(apply, batch_max=64, linger_ms=0, retried=False)
 
@@ -76,12 +78,12 @@ def test_entries_read_as_the_time_slice_ends_are_applied_by_that_drain(own_inbox
     append("s-1")
     batches = []
 
-    def apply(work, *, finally_=None):
+    def apply(work):
         batches.append([payload["command_id"] for _, payload in work.replies])
         if len(batches) == 1:
             time.sleep(0.3)  # the slice ends during this batch
             append("s-2")
-        batch.inbox_apply(work, finally_=finally_)
+        return batch.inbox_apply(work)
 
     applied = inbox.inbox_drain(apply, batch_max=64, linger_ms=0, retried=False)
 
@@ -132,4 +134,25 @@ def test_a_run_whose_start_fails_alone_is_failed_and_the_others_start(own_inbox,
     second.refresh_from_db()
     assert first.status == RunStatus.FAILED and "could not be started" in first.error
     assert second.status == RunStatus.RUNNING
+    nothing_left()
+
+
+def test_a_batch_that_fails_as_a_whole_is_not_acknowledged_and_the_retry_applies_it(own_inbox):
+    # given an entry, and a batch apply that finds the database away once
+    append("t-1")
+
+    def database_away(work):
+        raise OperationalError("the database is away (injected)")
+
+    # when the drain applies it
+    with pytest.raises(OperationalError):
+        inbox.inbox_drain(database_away, batch_max=64, linger_ms=0, retried=False)
+
+    # then the entry is left pending under the drain's consumer, applied by the retried task
+    conn = redis_connection()
+    assert conn.xpending(redis_key("inbox"), inbox.GROUP)["pending"] == 1
+    assert unknown_replies() == []
+    applied = inbox.inbox_drain(batch.inbox_apply, batch_max=64, linger_ms=0, retried=True)
+    assert applied == 1
+    assert unknown_replies() == ["t-1"]
     nothing_left()
