@@ -351,6 +351,12 @@ class LockBatch:
         self.ops.append({"o": "e", "d": device, "h": holder, "f": fence, "l": _ms(lease_seconds)})
         return len(self.ops) - 1
 
+    def dequeue(self, device: str, *, holder: str) -> int:
+        """Leave the device's wait queue (`device_lock_dequeue`); its outcome is True, or
+        False when the holder was not waiting."""
+        self.ops.append({"o": "q", "d": device, "h": holder})
+        return len(self.ops) - 1
+
     def reclaim(self, shard: int, *, limit: int, claim_seconds: float, now_ms: int) -> int:
         """Claim up to `limit` leases of `shard` that ran out by `now_ms`, pushing each out by
         `claim_seconds`; the outcome lists (device, the expired holder's Grant)."""
@@ -389,11 +395,12 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
     A release gives the Grant it handed the lock on with, or None (free now, or the caller
     no longer held it: stale, nothing changed). An acquire gives Grant, Queued or NotReady,
     as `device_lock_acquire`. An extend gives True, or False when the caller no longer held
-    the lock. A reclaim gives its list of (device, Grant); a restore None. Fails with
-    RedisError to the caller. On a single Redis the batch is one script call, applied whole
-    or not at all; on a cluster it is one call per shard, each whole or not at all (a node
-    failing mid-batch leaves the other shards' calls applied: what the caller then leaves
-    uncommitted ends as a lost worker's batch does, by lease expiry and the monitor's sweep).
+    the lock; a dequeue True, or False when the holder was not waiting. A reclaim gives its
+    list of (device, Grant); a restore None. Fails with RedisError to the caller. On a
+    single Redis the batch is one script call, applied whole or not at all; on a cluster it
+    is one call per shard, each whole or not at all (a node failing mid-batch leaves the
+    other shards' calls applied: what the caller then leaves uncommitted ends as a lost
+    worker's batch does, by lease expiry and the monitor's sweep).
     """
     if not batch.ops and not batch.writes:
         return []
@@ -458,7 +465,7 @@ def _outcome(op: dict, result: Any) -> Outcome:
         return Queued(int(result[1])) if result[0] == 0 else NotReady()
     if kind == "r":
         return Grant(result[1], int(result[2])) if result[0] == 1 else None
-    if kind == "e":
+    if kind in ("e", "q"):
         return result[0] == 1
     if kind == "c":
         flat = result or []
@@ -468,7 +475,9 @@ def _outcome(op: dict, result: Any) -> Outcome:
 
 def device_lock_dequeue(device: str, *, holder: str) -> bool:
     """Leave the device's wait queue (e.g. the run was canceled); False if not queued."""
-    return bool(lock_redis_connection().zrem(_keys(device)["queue"], holder))
+    batch = LockBatch()
+    batch.dequeue(device, holder=holder)
+    return device_locks_apply(batch)[0]
 
 
 def device_lock_state(device: str) -> LockState:

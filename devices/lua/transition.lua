@@ -18,6 +18,7 @@
 --   {"o": "r", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms for the
 --    next holder, "x": true to release whoever holds it (operator, monitor)}
 --   {"o": "e", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms}
+--   {"o": "q", "d": device, "k": key index, "h": holder}: leave the device's wait queue
 --   {"o": "c", "t": now ms, "n": at most this many, "l": claim ms, "p": the shard's lock
 --    hash key prefix: a device's lock hash is p .. device, in KEYS[s]'s hash slot}
 --   {"o": "s", "d": device, "k": key index, "h": executing holder or "", "f": its fence,
@@ -32,6 +33,7 @@
 --     [-1] when the caller no longer held it (stale: nothing changes).
 --   extend: [1] when the lease was pushed out to now + l, [0] when the caller no longer
 --     holds the lock.
+--   dequeue: [1] when the holder left the queue, [0] when it was not in it.
 --   reclaim: [device, holder, fence, device, ...]: up to n devices of the shard whose lease
 --     ran out by t, each lease pushed out to t + l so the next monitor tick does not claim
 --     it again while it is being reclaimed (a lease entry without a lock is dropped).
@@ -107,6 +109,10 @@ local function extend(s, op)
   return {1}
 end
 
+local function dequeue(op)
+  return {redis.call('ZREM', KEYS[op.k + 2], op.h)}
+end
+
 local function reclaim(s, op)
   local due = redis.call('ZRANGEBYSCORE', KEYS[s], '-inf', op.t, 'LIMIT', 0, op.n)
   local claimed = {}
@@ -138,7 +144,7 @@ local function restore(s, op)
 end
 
 -- An unknown operation is refused before anything is written (a script is not rolled back).
-local KINDS = {a = true, r = true, e = true, c = true, s = true}
+local KINDS = {a = true, r = true, e = true, q = true, c = true, s = true}
 for _, group in ipairs(req.groups) do
   for _, op in ipairs(group.ops or {}) do
     if not KINDS[op.o] then
@@ -163,6 +169,8 @@ for _, group in ipairs(req.groups) do
       result = release(s, op)
     elseif op.o == 'e' then
       result = extend(s, op)
+    elseif op.o == 'q' then
+      result = dequeue(op)
     elseif op.o == 'c' then
       result = reclaim(s, op)
     else

@@ -19,6 +19,7 @@ from devices.locks import (
     NotReady,
     Queued,
     device_lock_acquire,
+    device_lock_dequeue,
     device_lock_expired,
     device_lock_extend,
     device_lock_release,
@@ -91,6 +92,21 @@ def test_waiters_are_served_by_priority_then_fifo_and_each_hand_off_grows_the_fe
         holder, grant = grant, device_lock_release(device, holder=grant.holder, fence=grant.fence)
     assert served == ["a:urgent", "a:1", "a:2", "a:low"]
     assert device_lock_state(device).holder is None
+
+
+def test_a_waiter_that_leaves_the_queue_is_never_handed_the_device(device):
+    # given a holder and two waiters
+    holder = acquire(device, "a:0")
+    acquire(device, "a:1")
+    acquire(device, "a:2")
+
+    # when the first waiter leaves (its run was canceled), twice
+    assert device_lock_dequeue(device, holder="a:1") is True
+    assert device_lock_dequeue(device, holder="a:1") is False
+
+    # then the holder's release hands the device to the other waiter
+    assert device_lock_state(device).queue == ["a:2"]
+    assert device_lock_release(device, holder="a:0", fence=holder.fence).holder == "a:2"
 
 
 def test_a_hand_off_gives_the_next_holder_the_lease_asked(device):
