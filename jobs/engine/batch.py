@@ -69,7 +69,8 @@ from .batch_locks import BatchLocks, BatchRetry
 from .batch_publish import BatchPublish, PipeHook
 from .batch_rows import BatchConflict, BatchRows
 from .dispatch import Attempt, step_acquire
-from .plan import RUN_ACTIVE, is_task_row
+from .kinds import row_batched
+from .plan import RUN_ACTIVE
 from .reply import step_reply
 from .runs import run_advance, run_finish
 
@@ -226,7 +227,7 @@ def _rows_start(step_run_ids: list[int]) -> None:
     general, batched = [], []
     for row in rows:
         flow = row.device_id is not None and (row.device.min_interval_seconds or row.device.max_per_minute)
-        (general if row.device_id is None or flow or is_task_row(row) else batched).append(row)
+        (general if row.device_id is None or flow or not row_batched(row) else batched).append(row)
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict("a queued row moved before its dispatch")
 

@@ -26,7 +26,8 @@ from ..models import StepRun, StepStatus
 from ..rows import rows_select
 from .batch_rows import BatchConflict
 from .dispatch import Attempt, attempt_new, step_dispatch
-from .plan import RUN_ACTIVE, holder_step_id, is_task_row, lease_seconds, step_holder, step_spec
+from .kinds import row_batched
+from .plan import RUN_ACTIVE, holder_step_id, lease_seconds, step_holder, step_spec
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class BatchLocks:
                 or row.run.status not in RUN_ACTIVE
                 or row.device.min_interval_seconds
                 or row.device.max_per_minute
-                or is_task_row(row)
+                or not row_batched(row)
             ):
                 self.later.append(partial(step_dispatch, step_run_id=step_id, fence=grant.fence))
             else:

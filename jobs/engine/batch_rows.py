@@ -14,14 +14,13 @@ from devices.models import Device
 
 from .. import templating
 from ..deadlines import Deadline, by_shard, deadline_score
-from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
 from ..rows import rows_select
 from .attempts import attempt_deadlines, attempt_outcome
 from .dispatch import attempt_new
+from .kinds import row_ended_handler, spec_behaviour
 from .plan import (
-    is_fanout_row,
     lease_seconds,
-    spec_kind,
     step_args,
     step_holder,
     step_spec,
@@ -164,7 +163,7 @@ class BatchRows:
             if outcome.retry:
                 continue
             run = step_run.run
-            if step_run.phase == Phase.FORWARD and is_fanout_row(step_run):
+            if step_run.phase == Phase.FORWARD and row_ended_handler(step_run) is not None:
                 # One progress check per fan-out and batch, however many of its rows ended.
                 if (run.pk, step_run.index) not in fanouts:
                     fanouts.add((run.pk, step_run.index))
@@ -219,7 +218,7 @@ class BatchRows:
                 continue
             spec = run.plan[run.cursor]
             name, _ = step_target_name(run, spec)
-            if spec_kind(spec) != StepKind.COMMAND or name is None:
+            if not spec_behaviour(spec).batched_start or name is None:
                 self.later.append(partial(run_step_enter, run=run, index=run.cursor))
             else:
                 plans[run.pk] = (run, spec, name)
