@@ -8,7 +8,7 @@ from django.utils.translation import gettext_lazy as _
 # step kinds, row owners, failure policies, deadline kinds. `ready` imports them, then checks.
 KIND_MODULES = (
     "jobs.engine.start",  # command
-    "jobs.engine.waits",  # delay, wait_online; the `wake` deadline
+    "jobs.engine.waits",  # delay, wait_online (and its resume on presence); the `wake` deadline
     "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
     "jobs.engine.taskstep",  # task
     "jobs.engine.rollback",  # the rollback policy and its compensation rows

@@ -16,8 +16,8 @@ from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
 from .engine.dispatch import step_acquire
-from .engine.kinds import failure_policy_handler, run_deadline
-from .engine.plan import RUN_ACTIVE, holder_step_id, is_task_row, step_holder
+from .engine.kinds import failure_policy_handler, row_commanded, run_deadline
+from .engine.plan import RUN_ACTIVE, holder_step_id, step_holder
 from .engine.runs import attempt_end_continue, run_finish, run_step_done
 from .events import event_record
 from .models import (
@@ -66,7 +66,7 @@ def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANC
     deadlines_clear([Deadline.of(kind, step_run) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
         # A task step's body is not interrupted: its outcome will be stale.
-        if not is_task_row(step_run):
+        if row_commanded(step_run):
             transaction.on_commit(partial(_cancel_command_send, step_run))
         if step_run.device_id:
             device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)

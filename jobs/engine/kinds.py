@@ -4,8 +4,9 @@ Each kind declares what it does with a decorator beside its own definition (Zuli
 `@assign_queue`): `@step_kind(StepKind.DELAY)` on the function that starts a delay step,
 `@row_ended(Phase.COMPENSATION)`, `@failure_policy(OnFailure.ROLLBACK)`,
 `@attempt_sender(StepKind.TASK)`, `@row_deadline(StepKind.DELAY)`,
-`@deadline_handler("queue")`, `@run_deadline("run")`. The generic stages ask here
-(`spec_behaviour`, `row_behaviour`, `row_ended_handler`, …) instead of testing a kind.
+`@row_resume(StepKind.WAIT_ONLINE)`, `@deadline_handler("queue")`, `@run_deadline("run")`.
+The generic code asks here (`spec_behaviour`, `row_behaviour`, `row_ended_handler`, …)
+instead of testing a kind.
 
 jobs/apps.py imports the modules that declare kinds (its `KIND_MODULES`) when the app loads
 and calls `kinds_check`: a kind with no registration, or one registered twice, stops the
@@ -30,6 +31,7 @@ BUILT_IN_POLICIES = (OnFailure.ABORT, OnFailure.CONTINUE)
 
 StepStarter = Callable[[JobRun, int], None]  # raises start.StepRefused
 RowEnded = Callable[[StepRun], None]
+RowResume = Callable[..., Any]  # (step_run=...)
 FailurePolicy = Callable[[JobRun, str], None]  # (run, reason)
 AttemptSender = Callable[..., bool]  # (step_run=...) -> sent
 DeadlineHandler = Callable[[StepRun, Any], None]  # (step_run, deadlines.Deadline)
@@ -65,6 +67,7 @@ class KindRegistry:
     failure_policies: dict[str, FailurePolicy] = field(default_factory=dict)
     attempt_senders: dict[str, AttemptSender] = field(default_factory=dict)
     row_deadlines: dict[str, DeadlineHandler] = field(default_factory=dict)
+    row_resumers: dict[str, RowResume] = field(default_factory=dict)
     deadline_handlers: dict[str, DeadlineHandler] = field(default_factory=dict)
     run_deadlines: dict[str, RunDeadlineHandler] = field(default_factory=dict)
     doubled: list[str] = field(default_factory=list)
@@ -87,6 +90,7 @@ TABLES = (
     "failure_policies",
     "attempt_senders",
     "row_deadlines",
+    "row_resumers",
     "deadline_handlers",
     "run_deadlines",
 )
@@ -133,6 +137,12 @@ def row_deadline(kind: str) -> Callable[[F], F]:
     return _registering("row_deadlines", kind)
 
 
+def row_resume(kind: str) -> Callable[[F], F]:
+    """Decorates what a queued row of step `kind` does when it gets another chance (its device
+    came online, the monitor's sweep, a lock rebuild); by default it asks for its device's lock."""
+    return _registering("row_resumers", kind)
+
+
 def deadline_handler(*kinds: str) -> Callable[[F], F]:
     """Decorates what a due deadline of a step row of these kinds (jobs/deadlines.py) does."""
     return _registering("deadline_handlers", *kinds)
@@ -156,6 +166,17 @@ def row_behaviour(step_run: StepRun) -> StepKindBehaviour:
 def row_batched(step_run: StepRun) -> bool:
     """Whether the batched path may dispatch the row when it has its lock."""
     return row_behaviour(step_run).batched_dispatch
+
+
+def row_commanded(step_run: StepRun) -> bool:
+    """Whether the row's attempts are MQTT commands to its device: a kind that sends its
+    attempts its own way (`attempt_sender`, a task step) sends the device nothing."""
+    return spec_kind(step_spec(step_run)) not in REGISTRY.attempt_senders
+
+
+def row_resume_handler(step_run: StepRun) -> RowResume | None:
+    """What a queued row does when it gets another chance, or None: it asks for the lock."""
+    return REGISTRY.row_resumers.get(spec_kind(step_spec(step_run)))
 
 
 def row_ended_handler(step_run: StepRun) -> RowEnded | None:
@@ -183,6 +204,7 @@ def kinds_expected() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         "failure_policies": (policies, policies),
         "attempt_senders": ((), steps),  # a plain command by default
         "row_deadlines": ((), steps),
+        "row_resumers": ((), steps),
         "deadline_handlers": (step_deadlines, step_deadlines),
         "run_deadlines": (RUN_KINDS, RUN_KINDS),
     }

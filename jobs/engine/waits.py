@@ -9,7 +9,7 @@ from django.utils import timezone
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
-from .kinds import deadline_handler, row_deadline, step_kind
+from .kinds import deadline_handler, row_deadline, row_resume, step_kind
 from .runs import run_continue
 from .start import step_row_start
 
@@ -60,6 +60,7 @@ def wait_online_start(run: JobRun, index: int) -> None:
     wait_online_check(step_run=step_row_start(run, index))
 
 
+@row_resume(StepKind.WAIT_ONLINE)
 def wait_online_check(*, step_run: StepRun) -> bool:
     """Succeed a wait-for-online step if its device is reachable; else it stays queued
     (its queue deadline bounds the wait, jobs/presence.py re-checks on presence)."""

@@ -139,3 +139,15 @@ def test_only_the_rollback_policy_is_declared_beside_abort_and_continue():
     assert kinds.failure_policy_handler(OnFailure.ABORT) is None
     assert kinds.failure_policy_handler(OnFailure.CONTINUE) is None
     assert kinds.failure_policy_handler(OnFailure.ROLLBACK) is not None
+
+
+def test_a_task_row_sends_its_device_no_command_other_rows_do():
+    assert kinds.row_commanded(row_of({"kind": StepKind.COMMAND, "device": "d"}))
+    assert kinds.row_commanded(row_of({"kind": StepKind.COMMAND, "group": "g"}))
+    assert not kinds.row_commanded(row_of({"kind": StepKind.TASK, "device": "d"}))
+
+
+def test_a_queued_wait_online_row_checks_its_device_again_a_command_asks_for_the_lock():
+    assert kinds.row_resume_handler(row_of({"kind": StepKind.COMMAND, "device": "d"})) is None
+    resume = kinds.row_resume_handler(row_of({"kind": StepKind.WAIT_ONLINE, "device": "d"}))
+    assert resume is not None and resume.__name__ == "wait_online_check"
