@@ -38,15 +38,11 @@ class JobsConfig(AppConfig):
         # Importing metrics declares the app's /metrics families.
         from . import beat, canvas, gauges, metrics, replies, step_locks
         from .engine.dispatch import step_handoff
-        from .engine.kinds import kinds_check
         from .engine.plan import HOLDER_KIND
         from .events import run_ended
 
-        # The step, row, policy and deadline kinds declare themselves (decorators) in these
-        # modules; a kind without a declaration, or with two, stops the app here.
-        for module in KIND_MODULES:
-            import_module(module)
-        kinds_check()
+        # Before anything can start a step: a kind declared twice or not at all stops the app.
+        kinds_load()
 
         # The device lock starts, reclaims and rebuilds "step:" holders through these.
         grant_handler_register(HOLDER_KIND, step_handoff)
@@ -71,6 +67,16 @@ class JobsConfig(AppConfig):
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
         # The monitor tick and retention, fired by beat (jobs/beat.py).
         beat.beat_entries_register(current_app)
+
+
+def kinds_load() -> None:
+    """Import the modules that declare the engine's kinds, then check every kind is declared
+    once; raises ImproperlyConfigured naming what is missing or doubled (the app does not load)."""
+    from .engine.kinds import kinds_check
+
+    for module in KIND_MODULES:
+        import_module(module)
+    kinds_check()
 
 
 # The task that lets runs react to devices' presence (jobs/tasks.py), by name.

@@ -210,9 +210,11 @@ def kinds_expected() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     }
 
 
-def kinds_check(registry: KindRegistry = REGISTRY) -> None:
+def kinds_check(registry: KindRegistry | None = None) -> None:
     """Raise ImproperlyConfigured naming every kind without a registration, registered for
-    nothing the models or the deadline set know, or registered twice."""
+    nothing the models or the deadline set know, or registered twice (the app's registry
+    unless given)."""
+    registry = REGISTRY if registry is None else registry
     problems = [f"registered twice: {doubled}" for doubled in registry.doubled]
     for table, (required, allowed) in kinds_expected().items():
         entries = getattr(registry, table)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from jobs.apps import KIND_MODULES
+from jobs.apps import KIND_MODULES, kinds_load
 from jobs.engine import kinds
 from jobs.models import JobRun, OnFailure, Phase, StepKind, StepRun
 
@@ -27,6 +27,13 @@ def test_the_shipped_app_declares_every_kind_once():
     kinds.kinds_check()
     assert set(kinds.REGISTRY.step_kinds) == {*StepKind.values, "fanout"}
     assert kinds.REGISTRY.doubled == []
+
+
+def test_loading_the_app_checks_the_kinds(monkeypatch):
+    kinds_load()
+    del a_copy(monkeypatch).step_kinds[StepKind.WAIT_ONLINE]
+    with pytest.raises(ImproperlyConfigured, match="no step_kinds entry for 'wait_online'"):
+        kinds_load()
 
 
 def test_the_kind_modules_are_listed_once_in_the_app():
