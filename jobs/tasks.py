@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, batch_locks, dispatch, due, taskstep
+from .engine import batch, dispatch, due, taskstep
 from .models import JobRun
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def run_advance_task(run_id: str) -> None:
 @shared_task(
     bind=True,
     name=inbox.DRAIN_TASK,
-    autoretry_for=(DatabaseError, RedisError, batch_locks.BatchRetry),
+    autoretry_for=(DatabaseError, RedisError, batch.BatchRetry),
     default_retry_delay=0.2,
     max_retries=10,
 )
@@ -98,12 +98,8 @@ def task_step_run_task(step_run_id: int, command_id: str) -> None:
 
 @shared_task(name=monitor.DEADLINES_TASK)
 def step_deadlines_task(members: list[str]) -> None:
-    """A chunk of due deadlines; one failing does not stop the others."""
-    for member in members:
-        try:
-            due.step_deadline(deadline=Deadline.parse(member))
-        except Exception:
-            log.exception("deadline %s failed; the database sweep will find its step again", member)
+    """A chunk of due deadlines, applied together (jobs/engine/due.py `step_deadlines`)."""
+    due.step_deadlines([Deadline.parse(member) for member in members])
 
 
 @shared_task(name=beat.MONITOR_TASK)

@@ -503,7 +503,7 @@ def runs_stuck(
 # --- events a device being offline explains -----------------------------------------------
 
 # The engine records a step waiting for an offline device as `step.waiting` "device <name> is
-# offline" (jobs/engine/dispatch.py, batch_rows.py) and a wait-for-online step's wait as
+# offline" (jobs/engine/dispatch.py, planner.py) and a wait-for-online step's wait as
 # "until <name> is online" (waits.py); other `step.waiting` events (a busy device, a delay)
 # are routine. A filter on kind first, so `kind` is read through its index.
 OFFLINE_WAIT_EVENTS = Q(kind="step.waiting") & (

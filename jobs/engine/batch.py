@@ -21,8 +21,10 @@ for new runs to start, and a worker takes what has gathered in the inbox
    then clears their `send` deadlines and counts the metrics in one pipeline; only then
    are the events logged and the lifecycle ones sent out (`EventLog.committed`).
 
-Stages 1 and 2 are in batch_rows.py, 3 and 4 in batch_locks.py, 5 in batch_publish.py: the
-methods of `_Batch`, which holds the batch's state.
+The decisions of stages 1 to 4 are planner.py's (they build a `Plan`, without I/O);
+`_Batch` carries the plan out (the reads between the stages, the writes, the lock calls,
+the commit) and publishes (stage 5, batch_publish.py). Due `ack`, `done` and `retry`
+deadlines are applied the same way (`deadlines_apply`).
 
 Anything else is handed, after the commit, to the general one-at-a-time path: a reply
 that matches no current attempt (reply.py records it as stale, unknown or foreign), a
@@ -49,32 +51,47 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime
 from functools import partial
 
-from django.db import InterfaceError, OperationalError
+from django.db import IntegrityError, InterfaceError, OperationalError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
 from devices import protocol
-from devices.locks import Grant, LockBatch
+from devices.lock_recovery import locks_rebuild
+from devices.locks import (
+    Grant,
+    Queued,
+    device_lock_dequeue,
+    device_lock_handoff,
+    device_lock_pass_on,
+    device_locks_apply,
+)
+from devices.models import Device
 
-from ..deadlines import Deadline
-from ..events import EventLog, event_record
+from ..deadlines import Deadline, deadlines_key
+from ..events import event_record
 from ..inbox import Work
 from ..models import JobRun, RunStatus, StepRun, StepStatus
 from ..rows import Writes, rows_atomic, rows_select
-from .attempts import Outcome
-from .batch_locks import BatchLocks, BatchRetry
+from . import planner
 from .batch_publish import BatchPublish, PipeHook
-from .batch_rows import BatchConflict, BatchRows
-from .dispatch import Attempt, step_acquire
+from .dispatch import step_acquire, step_dispatch
 from .kinds import row_batched
-from .plan import RUN_ACTIVE
+from .plan import RUN_ACTIVE, step_holder
+from .planner import Plan, RowWrite
 from .reply import step_reply
-from .runs import run_advance, run_finish
+from .runs import run_advance, run_continue, run_finish, run_step_enter
 
 log = logging.getLogger(__name__)
+
+
+class BatchConflict(Exception):
+    """A row changed under the batch; nothing was written to Redis, apply it again."""
+
+
+class BatchRetry(Exception):
+    """A row changed under the batch after its lock call: undone, the task runs again."""
 
 
 # A batch that conflicts is read and applied again this many times before its replies are
@@ -176,23 +193,22 @@ def transition_apply(
             s.command_id: s
             for s in rows_select(StepRun, "command_id", command_ids, related=("run", "device"))
         }
+    runs = {run.pk: run for run in rows_select(JobRun, "id", starts)} if starts else {}
     batch = _Batch(rows)
     if finally_ is not None:
         batch.finally_.append(finally_)
 
     def prepare() -> None:
-        batch.runs_begin(starts)
-        batch.classify(replies)
-        batch.acks_write()
-        batch.ends_write()
-        batch.runs_continue()
+        planner.runs_begin(batch.plan, runs, list(starts))
+        planner.replies_plan(batch.plan, rows, list(replies))
+        planner.runs_continue(batch.plan)
 
     def one_at_a_time() -> None:
         for run_id in starts:
             _safely(partial(run_advance, run_id=run_id))
         for device, reply in replies:
             _safely(partial(step_reply, device=device, reply=reply))
-        batch.dispatches = []
+        batch.plan.dispatches = []
         batch.publish()  # nothing to publish: runs the caller's `finally_` commands
 
     def again() -> None:
@@ -202,6 +218,33 @@ def transition_apply(
         _transition(batch, prepare, again, "applying it again from a fresh read")
     else:
         _transition(batch, prepare, one_at_a_time, "applying one at a time")
+
+
+def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIES) -> list[Deadline]:
+    """Due deadlines as one transition: `ack` / `done` time their attempts out, `retry`
+    queues their steps again (planner.dues_plan). Returns the deadlines left to the
+    one-at-a-time handlers (jobs/engine/due.py): other kinds, rows a plan does not decide,
+    and all of them when the batch kept conflicting."""
+    planned = [d for d in deadlines if d.kind in planner.PLANNED_DEADLINES]
+    left = [d for d in deadlines if d.kind not in planner.PLANNED_DEADLINES]
+    if not planned:
+        return left
+    ids = {d.step_run_id for d in planned}
+    rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
+    batch = _Batch({})
+    conflicted: list[Deadline] = []
+
+    def prepare() -> None:
+        planner.dues_plan(batch.plan, rows, planned)
+        planner.runs_continue(batch.plan)
+
+    def again() -> None:
+        conflicted.extend(deadlines_apply(planned, retries=retries - 1) if retries > 0 else planned)
+        batch.plan.dispatches = []
+        batch.publish()
+
+    _transition(batch, prepare, again, "applying it again" if retries > 0 else "applying one at a time")
+    return left + batch.plan.unplanned + conflicted
 
 
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires
@@ -229,16 +272,16 @@ def _rows_start(step_run_ids: list[int]) -> None:
         flow = row.device_id is not None and (row.device.min_interval_seconds or row.device.max_per_minute)
         (general if row.device_id is None or flow or not row_batched(row) else batched).append(row)
     batch = _Batch({})
-    batch.dispatch_conflict = BatchConflict("a queued row moved before its dispatch")
+    batch.dispatch_conflict = BatchConflict
 
     def prepare() -> None:
         for row in batched:
-            batch._acquire(row)
+            planner.row_acquire(batch.plan, row)
 
     def one_at_a_time() -> None:
         for row in batched:
             _safely(partial(step_acquire, step_run=row))
-        batch.dispatches = []
+        batch.plan.dispatches = []
         batch.publish()
 
     if batched:
@@ -255,10 +298,11 @@ def run_begin(*, run_id: str) -> None:
 def _transition(
     batch: _Batch, prepare: Callable[[], None], conflicted: Callable[[], None], conflicted_what: str
 ) -> None:
-    """The shared shape of a batched transition: `prepare` writes what ended and who moves
+    """The shared shape of a batched transition: `prepare` plans what ended and who moves
     on; then the next rows, the lock call, the dispatches, the events, the commit, the
-    publishes; then the general-path leftovers. A conflict before the lock call rolls
-    everything back and hands over to `conflicted` (which runs the caller's `finally_`)."""
+    publishes; then the one-at-a-time leftovers. A conflict rolls everything back (undoing
+    the lock call when it came after it) and hands over to `conflicted` (which runs the
+    caller's `finally_`)."""
     try:
         with rows_atomic():
             prepare()
@@ -278,7 +322,7 @@ def _transition(
         batch.publish()
     finally:
         batch.events.committed()  # logged and told out once committed, after the commands left
-    for work in batch.later:
+    for work in batch.later_work():
         _safely(work)
 
 
@@ -290,31 +334,123 @@ def _safely(work: Callable[[], None]) -> None:
         log.exception("after a reply batch: %s failed; the monitor's sweep finds its step again", work)
 
 
-class _Batch(BatchRows, BatchLocks, BatchPublish):
-    """The state of one batched transition, in the order `_transition` builds it; its stages
-    are in batch_rows.py (1, 2), batch_locks.py (3, 4) and batch_publish.py (5)."""
+# What a plan's `Later` entries run after the commit (planner.Later.what -> the function).
+LATER_WORK: dict[str, Callable[..., None]] = {
+    "reply": step_reply,
+    "advance": run_advance,
+    "continue": run_continue,
+    "enter": run_step_enter,
+    "dispatch": step_dispatch,
+    "handoff": lambda *, device, grant: device_lock_handoff(device, grant),
+}
+
+
+class _Batch(BatchPublish):
+    """The executor of one batched transition: it carries out the `Plan` the planner builds
+    (jobs/engine/planner.py) — the reads between its stages, the compare-and-set writes, the
+    lock calls, the commit — and publishes (batch_publish.py)."""
 
     def __init__(self, rows: dict[str, StepRun]) -> None:
         self.rows = rows
-        self.now = timezone.now()
-        self.events = EventLog()
-        # Compare-and-set writes, sent together before the lock call and before the commit.
-        self.writes = Writes()
-        self.later: list[Callable[[], None]] = []
-        self.acks: dict[int, StepRun] = {}
-        self.dones: list[tuple[StepRun, protocol.Reply]] = []
-        self.ended: list[tuple[StepRun, Outcome]] = []
-        self.moved: list[JobRun] = []
-        self.finished: list[JobRun] = []
-        self.starting: list[JobRun] = []
-        self.new_rows: list[StepRun] = []
-        self.locks = LockBatch()
-        self.releases: dict[int, StepRun] = {}  # op index -> the row whose attempt ended
-        self.acquires: dict[int, tuple[StepRun, Attempt]] = {}  # op index -> new row
+        self.plan = Plan(now=timezone.now())
+        self.writes = Writes()  # the plan's writes, queued as they are planned
+        self.queued = 0  # how many of plan.writes are in `writes`
         self.outcomes: list = []
-        self.handed: list[tuple[str, Grant]] = []
-        self.dispatches: list[StepRun] = []
+        self.later: list[Callable[[], None]] = []  # publish failures' events (batch_publish.py)
         self.finally_: list[PipeHook] = []
-        self.run_deadlines: dict[Deadline, datetime] = {}  # written after the commit
-        # What a row that moved before its dispatch write raises (batch_locks.dispatches_write).
-        self.dispatch_conflict: Exception = BatchRetry("a dispatched row moved during its reply batch")
+        # What a planned write after the lock call raises when a row moved: the task runs
+        # again (BatchRetry), or a fan-out's pump goes one row at a time (BatchConflict).
+        self.dispatch_conflict: type[Exception] = BatchRetry
+
+    # The plan's parts publishing reads (batch_publish.py).
+    @property
+    def events(self):
+        return self.plan.events
+
+    @property
+    def dispatches(self) -> list[StepRun]:
+        return self.plan.dispatches
+
+    @property
+    def run_deadlines(self):
+        return self.plan.run_deadlines
+
+    def _queue(self, writes: list[RowWrite]) -> None:
+        for write in writes:
+            conflict = (self.dispatch_conflict if write.after_locks else BatchConflict)(write.conflict)
+            self.writes.update(
+                write.model,
+                write.rows,
+                write.fields,
+                status_in=write.status_in,
+                match=write.match,
+                conflict=conflict,
+            )
+
+    def _queue_planned(self) -> None:
+        self._queue(self.plan.writes[self.queued :])
+        self.queued = len(self.plan.writes)
+
+    def rows_name(self) -> None:
+        """The runs' next rows: their devices read and their ids reserved with the writes
+        planned so far (one round trip on PostgreSQL, every compare-and-set checked before
+        the lock call), then named and asking for their locks."""
+        names = planner.rows_wanted(self.plan)
+        self._queue_planned()
+        reserve = (StepRun, len(self.plan.naming))
+        found, ids = self.writes.send(select=(Device, "name", names, ()), reserve=reserve)
+        planner.rows_name(self.plan, {device.name: device for device in found}, ids)
+
+    def locks_apply(self) -> None:
+        """The one lock call: releases hand devices on, new rows acquire, deadlines written."""
+        self.outcomes = device_locks_apply(self.plan.locks, zset=deadlines_key)
+        planner.locks_answered(self.plan, self.outcomes)
+
+    def handed_dispatch(self) -> None:
+        """Dispatch, in this transaction, the queued rows the releases handed a device to:
+        read, planned, and their deadlines and full lease written in one more lock call."""
+        ids = planner.handed_ids(self.plan)
+        # (The batch's own new rows are not among them: its releases come before its acquires.)
+        rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
+        writes = planner.handed_plan(self.plan, rows)
+        if writes.ops or writes.writes:
+            device_locks_apply(writes, zset=deadlines_key)
+
+    def dispatches_write(self) -> None:
+        """The new rows, whole (dispatched where the lock call granted their lock, else
+        queued), the rows handed a device, and every event: sent together, the last thing
+        the transaction does (on PostgreSQL the COMMIT rides in the same text unless a
+        handed row's compare-and-set is in it: `Writes.send(last=True)`)."""
+        self._queue_planned()
+        self.writes.insert(StepRun, self.plan.new_rows)
+        self._queue(planner.dispatches_writes(self.plan))
+        self.events.insert(writes=self.writes)
+        try:
+            self.writes.send(last=True)
+        except IntegrityError:
+            # Another transition made a next row of one of these runs first.
+            raise BatchConflict("a next step's row exists already") from None
+
+    def later_work(self) -> list[Callable[[], None]]:
+        """After the commit: the plan's one-at-a-time leftovers, then the publishes' events."""
+        work = [partial(LATER_WORK[later.what], **later.args) for later in self.plan.later]
+        if self.plan.rebuild:
+            # Redis lost the locks; rebuilding them re-acquires every queued step.
+            work.append(locks_rebuild)
+        return work + self.later
+
+    def undo(self) -> None:
+        """The transaction failed after the lock call: withdraw what it asked for."""
+        for index, outcome in enumerate(self.outcomes):
+            try:
+                if index in self.plan.releases:
+                    if outcome is not None:
+                        device_lock_handoff(self.plan.releases[index].device.name, outcome)
+                    continue
+                row, _ = self.plan.acquires[index]
+                if isinstance(outcome, Grant):
+                    device_lock_pass_on(row.device.name, holder=step_holder(row), fence=outcome.fence)
+                elif isinstance(outcome, Queued):
+                    device_lock_dequeue(row.device.name, holder=step_holder(row))
+            except Exception:
+                log.exception("undoing a failed reply batch; the lock's lease will end it instead")

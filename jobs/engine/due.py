@@ -12,12 +12,15 @@ owns the action (`@kinds.run_deadline`, jobs/cancel.py), which checks the run li
 
 from __future__ import annotations
 
+import logging
+
 from django.db import transaction
 from django.utils import timezone
 
 from ..deadlines import RUN_KINDS, Deadline, deadlines_set
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
+from .batch import deadlines_apply
 from .dispatch import command_resend, dispatch_if_holding
 from .kinds import REGISTRY, deadline_handler
 from .plan import spec_kind, step_answerer, step_spec
@@ -67,6 +70,26 @@ def _queue_due(step_run: StepRun, deadline: Deadline) -> None:
 def _dispatch_due(step_run: StepRun, deadline: Deadline) -> None:
     if step_run.status == StepStatus.QUEUED:
         dispatch_if_holding(step_run)
+
+
+log = logging.getLogger(__name__)
+
+
+def step_deadlines(deadlines: list[Deadline]) -> None:
+    """Due deadlines claimed together: the attempts they time out and the retries they
+    start as one transition (jobs/engine/batch.py `deadlines_apply`), the rest one at a
+    time; one failing does not stop the others."""
+    try:
+        left = deadlines_apply(deadlines)
+    except Exception:
+        # Each is applied on its own instead: one whose row moved meanwhile changes nothing.
+        log.exception("a batch of %d deadlines failed; applying them one at a time", len(deadlines))
+        left = deadlines
+    for deadline in left:
+        try:
+            step_deadline(deadline=deadline)
+        except Exception:
+            log.exception("deadline %s failed; the database sweep will find its step again", deadline.member)
 
 
 @transaction.atomic

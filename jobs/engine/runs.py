@@ -13,6 +13,7 @@ Run:   pending -> running -> succeeded | failed | timed_out | canceled
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 
@@ -23,7 +24,7 @@ from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, OnFailure, RunStatus, StepRun, StepStatus
 from .attempts import attempt_end
-from .kinds import failure_policy_handler, row_ended_handler
+from .kinds import REGISTRY, row_ended_handler
 from .plan import RUN_ACTIVE
 from .start import StepRefused, step_start
 
@@ -75,19 +76,45 @@ def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
     return bool(finished)
 
 
-def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str = "") -> None:
-    """A step's outcome decides the run: next step, its failure policy, or end (once)."""
+@dataclass(frozen=True)
+class RunNext:
+    """What a step's final outcome does to its run: the `cursor` it moves to (past the last
+    step when the run ends succeeded), the run's terminal `status` (with `error`), or a
+    failure `policy` other than abort / continue that decides instead."""
+
+    cursor: int | None = None
+    status: str = ""
+    error: str = ""
+    policy: str = ""
+
+
+def run_next(run: JobRun, index: int, *, ok: bool, status: str, error: str) -> RunNext:
+    """A step's final outcome decides its run: the next step, the end, or its policy. The
+    general path (`run_step_done`) and a plan (jobs/engine/planner.py) decide alike
+    through this."""
     policy = run.plan[index].get("on_failure", OnFailure.ABORT)
     if ok or policy == OnFailure.CONTINUE:
-        if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(cursor=index + 1):
-            run.cursor = index + 1
+        if index + 1 >= len(run.plan):
+            return RunNext(cursor=index + 1, status=RunStatus.SUCCEEDED)
+        return RunNext(cursor=index + 1)
+    if policy != OnFailure.ABORT:
+        return RunNext(policy=policy)
+    return RunNext(status=RUN_STATUS_FOR_STEP.get(status, RunStatus.FAILED), error=error)
+
+
+def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str = "") -> None:
+    """A step's outcome decides the run (`run_next`): next step, its failure policy, or end (once)."""
+    decided = run_next(run, index, ok=ok, status=status, error=error)
+    if decided.policy:
+        REGISTRY.failure_policies[decided.policy](run, error)
+    elif decided.cursor is not None:
+        if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(
+            cursor=decided.cursor
+        ):
+            run.cursor = decided.cursor
             run_step_enter(run=run, index=run.cursor)
-        return
-    handler = failure_policy_handler(policy)
-    if handler is not None:
-        handler(run, error)
-        return
-    run_finish(run=run, status=RUN_STATUS_FOR_STEP.get(status, RunStatus.FAILED), error=error)
+    else:
+        run_finish(run=run, status=decided.status, error=decided.error)
 
 
 def step_error(step_run: StepRun) -> str:

@@ -148,11 +148,11 @@ def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, ma
     device, hand, run, first = two_steps_on_one_device(manual_device)
     conflicts, hooks = [], []
 
-    def always_moved(self):
+    def always_moved(plan):
         conflicts.append(1)
         raise engine_batch.BatchConflict("a run moved meanwhile (injected)")
 
-    monkeypatch.setattr(engine_batch._Batch, "runs_continue", always_moved)
+    monkeypatch.setattr(engine_batch.planner, "runs_continue", always_moved)
 
     # when the device's done is applied with a finally_ hook (the inbox's acknowledgement)
     engine_batch.transition_apply(

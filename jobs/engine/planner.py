@@ -1,0 +1,488 @@
+"""The step engine's decisions for a batch of inputs, without I/O: the plan of a transition.
+
+A transition (jobs/engine/batch.py runs it) reads the rows its inputs name, asks this
+module what follows, and carries the answer out. Every function here takes rows already
+read (model instances with their run and device loaded) and adds to a `Plan`; none reads
+or writes the database, Redis or the broker, so the same decisions run in the unit tier's
+simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executor.
+
+| input                     | facts it is planned from          | effects in the plan                  |
+| ------------------------- | --------------------------------- | ------------------------------------ |
+| run start `runs_begin`    | the run rows                      | run compare-and-set, `run.started`,  |
+|                           |                                   | the run's max_duration deadline      |
+| ack, progress             | the step row its command id names | row compare-and-set (in progress,    |
+| `replies_plan`            |                                   | progress), ack/send deadlines gone   |
+| done `replies_plan`       | the same                          | attempt end (`attempt_outcome`),     |
+|                           |                                   | lock release and hand-on, deadlines  |
+| due ack, done `dues_plan` | the step row the deadline names   | as a failed, retryable done          |
+| due retry `dues_plan`     | the same                          | row queued again, lock acquire       |
+| row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
+| next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
+|                           |                                   | deadlines written on grant)          |
+| lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
+| hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
+
+What a plan cannot decide (a reply that matches no current attempt, a rollback, a fan-out
+or compensation row, another step kind, flow control, a holder that is no step) is a
+`Later`: one-at-a-time work the executor runs after the commit (jobs/engine/reply.py,
+runs.py, dispatch.py). Every row write is a compare-and-set (`RowWrite`): when another
+transition moved a row first, the executor's transaction rolls back and the batch is
+planned again from a fresh read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from django.db.models import Model
+
+from devices import protocol
+from devices.locks import Grant, LockBatch, NotReady, Queued
+from devices.models import Device
+
+from .. import templating
+from ..deadlines import Deadline, by_shard, deadline_score
+from ..events import EventLog
+from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
+from .attempts import Outcome, attempt_deadlines, attempt_outcome
+from .dispatch import Attempt, attempt_new
+from .kinds import row_batched, row_ended_handler, spec_behaviour
+from .plan import (
+    holder_step_id,
+    lease_seconds,
+    step_answerer,
+    step_args,
+    step_holder,
+    step_spec,
+    step_target_name,
+)
+from .reply import PROGRESS_FIELDS, progress_keep
+from .runs import run_next, step_error
+
+# Fields a plan writes, per kind of row write.
+ACK_FIELDS = ["status", "acked_at", *PROGRESS_FIELDS]
+END_FIELDS = ["status", "error", "finished_at", "result", *PROGRESS_FIELDS, "deadline", "acked_at"]
+REQUEUE_FIELDS = ["status", "queued_at", "deadline"]
+DISPATCH_FIELDS = [
+    "status",
+    "attempt",
+    "command_id",
+    "fence",
+    "deadline",
+    "dispatched_at",
+    "acked_at",
+    "progress",
+    "progress_detail",
+    "progress_messages",
+]
+RUN_FINISH_FIELDS = ["cursor", "status", "error", "finished_at"]
+# Deadline kinds `dues_plan` decides; the others are handled one at a time (jobs/engine/due.py).
+PLANNED_DEADLINES = ("ack", "done", "retry")
+
+
+@dataclass
+class RowWrite:
+    """A compare-and-set UPDATE of `rows`' `fields` while their status is one of `status_in`
+    (and `match` still holds the value the row has); `conflict` says what moved when a row
+    count falls short. `after_locks`: a conflict found after the lock call (undo it first)."""
+
+    model: type[Model]
+    rows: list
+    fields: list[str]
+    status_in: tuple
+    match: str = ""
+    conflict: str = ""
+    after_locks: bool = False
+
+
+@dataclass
+class Later:
+    """One-at-a-time work after the commit, for what a plan does not decide: `what` names
+    it (LATER_WORK in jobs/engine/batch.py), `args` are its keyword arguments."""
+
+    what: str
+    args: dict[str, Any]
+
+
+@dataclass
+class Plan:
+    """What one transition writes, takes and publishes, built stage by stage."""
+
+    now: datetime
+    events: EventLog = field(default_factory=EventLog)
+    # Compare-and-set writes sent before the lock call, in order.
+    writes: list[RowWrite] = field(default_factory=list)
+    later: list[Later] = field(default_factory=list)
+    locks: LockBatch = field(default_factory=LockBatch)
+    releases: dict[int, StepRun] = field(default_factory=dict)  # lock op index -> ended row
+    acquires: dict[int, tuple[StepRun, Attempt]] = field(default_factory=dict)  # op -> new row
+    acks: dict[int, StepRun] = field(default_factory=dict)
+    ended: list[tuple[StepRun, Outcome]] = field(default_factory=list)
+    starting: list[JobRun] = field(default_factory=list)  # runs whose next row is named
+    naming: list[tuple[JobRun, dict, str]] = field(default_factory=list)  # (run, spec, device)
+    new_rows: list[StepRun] = field(default_factory=list)  # inserted whole at the end
+    handed: list[tuple[str, Grant]] = field(default_factory=list)
+    dispatches: list[StepRun] = field(default_factory=list)  # published after the commit
+    run_deadlines: dict[Deadline, datetime] = field(default_factory=dict)  # after the commit
+    rebuild: bool = False  # Redis lost the locks: rebuild them after the commit
+    unplanned: list[Deadline] = field(default_factory=list)  # for jobs/engine/due.py's handlers
+
+    def write(self, model: type[Model], rows: list, fields: list[str], **guard: Any) -> None:
+        if rows:
+            self.writes.append(RowWrite(model, list(rows), fields, **guard))
+
+    def later_add(self, what: str, **args: Any) -> None:
+        self.later.append(Later(what, args))
+
+    def zset_add(self, entries: dict[Deadline, datetime]) -> None:
+        """Deadlines the lock call writes whatever its outcomes, each in its shard."""
+        for shard, group in by_shard(entries).items():
+            self.locks.zset_add({d.member: deadline_score(entries[d]) for d in group}, shard=shard)
+
+    def zset_remove(self, deadlines: list[Deadline]) -> None:
+        for shard, group in by_shard(deadlines).items():
+            self.locks.zset_remove([d.member for d in group], shard=shard)
+
+
+# --- 1. inputs: run starts, replies, due deadlines ---------------------------------
+
+
+def runs_begin(plan: Plan, runs: dict[UUID, JobRun], run_ids: list[str]) -> None:
+    """Pending runs start (running, their first step next); a run in any other state is
+    advanced the general way (a running run restarts at its cursor: a redelivered start, or
+    the monitor's sweep)."""
+    pending = []
+    for run_id in run_ids:
+        run = runs.get(UUID(str(run_id)))
+        if run is None:
+            continue
+        if run.status != RunStatus.PENDING:
+            plan.later_add("advance", run_id=str(run_id))
+            continue
+        if run in pending:
+            continue
+        run.status, run.started_at = RunStatus.RUNNING, plan.now
+        if run.max_duration:
+            run.deadline = plan.now + timedelta(seconds=run.max_duration)
+            # Set after the commit: a deadline that fired before it would find the run pending.
+            plan.run_deadlines[Deadline("run", str(run.pk), 0)] = run.deadline
+        plan.events.add("run.started", run=run, message=f"{len(run.plan)} steps")
+        plan.starting.append(run)
+        pending.append(run)
+    timed = any(run.max_duration for run in pending)
+    fields = ["status", "started_at", *(["deadline"] if timed else [])]
+    plan.write(JobRun, pending, fields, status_in=(RunStatus.PENDING,), conflict="a run started meanwhile")
+
+
+def replies_plan(plan: Plan, rows: dict[str, StepRun], replies: list[tuple[str, protocol.Reply]]) -> None:
+    """Replies to current attempts: acks and progress mark them in progress, a done ends
+    its attempt (the first done of a batch for a command; a second is stale). The rest (no
+    such attempt, another device's, an extension) goes the general way."""
+    dones: list[tuple[StepRun, dict]] = []
+    ending: set[str] = set()
+    for device, reply in replies:
+        row = rows.get(reply.command_id)
+        current = (
+            row is not None
+            and row.device_id is not None
+            and row.device.name == device
+            and row.status in STEP_IN_FLIGHT
+            and reply.command_id not in ending
+        )
+        if not current or reply.extend_seconds:
+            # An extension moves a deadline and a lease: rare, so the general path has it.
+            plan.later_add("reply", device=device, reply=reply)
+        elif reply.kind == "done":
+            ending.add(reply.command_id)
+            how = {
+                "ok": bool(reply.ok),
+                "result": reply.result,
+                "error": reply.error,
+                "retryable": reply.retryable,
+                "rejected": reply.rejected,
+            }
+            dones.append((row, how))
+        else:
+            _ack(plan, row, reply)
+    ending_ids = {row.pk for row, _ in dones}
+    acked = [row for pk, row in plan.acks.items() if pk not in ending_ids]
+    plan.write(
+        StepRun, acked, ACK_FIELDS, status_in=STEP_IN_FLIGHT, conflict="an acked attempt ended meanwhile"
+    )
+    attempts_end(plan, dones)
+
+
+def _ack(plan: Plan, row: StepRun, reply: protocol.Reply) -> None:
+    if row.status == StepStatus.DISPATCHED:
+        row.status = StepStatus.IN_PROGRESS
+        row.acked_at = row.acked_at or plan.now
+        plan.zset_remove([Deadline.of(kind, row) for kind in ("ack", "send")])
+        plan.events.add("step.in_progress", step_run=row, message=f"{reply.kind} received")
+    event = progress_keep(row, reply)
+    if event:
+        plan.events.add(event.pop("kind"), **event)
+    plan.acks[row.pk] = row
+
+
+def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -> None:
+    """Due `ack` / `done` deadlines time their attempt out (retried while it has budget),
+    a due `retry` queues the step again for the device's lock; a deadline that no longer
+    matches its row (another attempt, another status) changes nothing. A `done` whose row
+    says later (the device extended the attempt) is watched again at the row's deadline."""
+    timing_out: list[tuple[StepRun, dict]] = []
+    requeued: list[StepRun] = []
+    seen: set[int] = set()
+    for deadline in deadlines:
+        row = rows.get(deadline.step_run_id)
+        if row is None or row.attempt != deadline.attempt or row.pk in seen:
+            continue
+        if not _kind_planned(row):
+            plan.unplanned.append(deadline)
+            continue
+        answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
+        if deadline.kind in ("ack", "done") and row.status in answering:
+            if deadline.kind == "done" and row.deadline is not None and row.deadline > plan.now:
+                plan.zset_add({Deadline.of("done", row, deadline.attempt): row.deadline})
+                continue
+            spec = step_spec(row)
+            waited = spec["ack_timeout_seconds"] if deadline.kind == "ack" else spec["timeout_seconds"]
+            error = f"no {deadline.kind} from {step_answerer(row)} within {waited}s"
+            timing_out.append((row, {"ok": False, "error": error, "retryable": True, "timed_out": True}))
+            seen.add(row.pk)
+        elif deadline.kind == "retry" and row.status == StepStatus.RETRYING:
+            spec = step_spec(row)
+            row.status, row.queued_at = StepStatus.QUEUED, plan.now
+            row.deadline = plan.now + timedelta(seconds=spec["queue_timeout_seconds"])
+            plan.events.add("step.queued", step_run=row, message=f"for attempt {row.attempt + 1}")
+            requeued.append(row)
+            seen.add(row.pk)
+    plan.write(
+        StepRun,
+        requeued,
+        REQUEUE_FIELDS,
+        status_in=(StepStatus.RETRYING,),
+        match="attempt",
+        conflict="a retrying step moved meanwhile",
+    )
+    attempts_end(plan, timing_out)
+    for row in requeued:
+        row_acquire(plan, row)
+
+
+def _kind_planned(row: StepRun) -> bool:
+    """Rows a plan decides: a plain command on a device, forward or compensation."""
+    return row.device_id is not None and row_batched(row)
+
+
+# --- 2. attempts end, runs move on --------------------------------------------------
+
+
+def attempts_end(plan: Plan, ending: list[tuple[StepRun, dict]]) -> None:
+    """End these in-flight attempts as `how` says (`attempt_outcome`); their locks are
+    released, each handing its device on, in the lock call."""
+    for row, how in ending:
+        outcome = attempt_outcome(row, now=plan.now, **how)
+        for name, value in outcome.changes.items():
+            setattr(row, name, value)
+        plan.events.add(f"step.{outcome.status}", step_run=row, message=outcome.message)
+        cleared, retry = attempt_deadlines(row, outcome)
+        plan.zset_remove(cleared)
+        plan.zset_add(retry)
+        index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
+        plan.releases[index] = row
+        plan.ended.append((row, outcome))
+    plan.write(
+        StepRun,
+        [row for row, _ in ending],
+        END_FIELDS,
+        status_in=STEP_IN_FLIGHT,
+        match="command_id",
+        conflict="an attempt ended meanwhile",
+    )
+
+
+def runs_continue(plan: Plan) -> None:
+    """Move on the runs whose step ended for good: next step, end, or the general way."""
+    fanouts, moved, finished = set(), [], []
+    for row, outcome in plan.ended:
+        if outcome.retry:
+            continue
+        run = row.run
+        if row.phase == Phase.FORWARD and row_ended_handler(row) is not None:
+            # One progress check per fan-out and batch, however many of its rows ended.
+            if (run.pk, row.index) not in fanouts:
+                fanouts.add((run.pk, row.index))
+                plan.later_add("continue", step_run=row)
+            continue
+        if row.phase != Phase.FORWARD or run.status != RunStatus.RUNNING or run.cursor != row.index:
+            plan.later_add("continue", step_run=row)
+            continue
+        ok = row.status == StepStatus.SUCCEEDED
+        decided = run_next(run, row.index, ok=ok, status=row.status, error=step_error(row))
+        if decided.policy:
+            plan.later_add("continue", step_run=row)
+            continue
+        if decided.cursor is not None:
+            run.cursor = decided.cursor
+        if decided.status:
+            run.status, run.error, run.finished_at = decided.status, decided.error, plan.now
+            finished.append(run)
+            plan.events.add(f"run.{decided.status}", run=run, message=decided.error)
+        else:
+            moved.append(run)
+            plan.starting.append(run)
+    running = (RunStatus.RUNNING,)
+    plan.write(JobRun, moved, ["cursor"], status_in=running, conflict="a run moved meanwhile")
+    plan.write(JobRun, finished, RUN_FINISH_FIELDS, status_in=running, conflict="a run ended meanwhile")
+
+
+# --- 3. the next rows, the lock call's answers, the hand-offs ------------------------
+
+
+def rows_wanted(plan: Plan) -> set[str]:
+    """The devices the runs' next steps target (the executor reads them, and reserves as
+    many row ids as `plan.naming` holds); other kinds start the general way."""
+    for run in plan.starting:
+        if run.cursor >= len(run.plan):
+            plan.later_add("enter", run=run, index=run.cursor)
+            continue
+        spec = run.plan[run.cursor]
+        name, _ = step_target_name(run, spec)
+        if not spec_behaviour(spec).batched_start or name is None:
+            plan.later_add("enter", run=run, index=run.cursor)
+        else:
+            plan.naming.append((run, spec, name))
+    return {name for _, _, name in plan.naming}
+
+
+def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
+    """The runs' next rows, made and named by the reserved `ids`, queued, each asking for
+    its device's lock; a refusal (no such device, a reference with no value) or a device
+    with flow control starts the general way."""
+    for (run, spec, name), pk in zip(plan.naming, ids, strict=True):
+        device = devices.get(name)
+        try:
+            args = step_args(run, spec["args"], device) if device is not None else None
+        except templating.TemplateError:
+            args = None
+        if args is None or not device.enabled or device.min_interval_seconds or device.max_per_minute:
+            plan.later_add("enter", run=run, index=run.cursor)
+            continue
+        row = StepRun(
+            pk=pk,
+            run=run,
+            phase=Phase.FORWARD,
+            index=run.cursor,
+            device=device,
+            action=spec["action"],
+            args=args,
+            status=StepStatus.QUEUED,
+            queued_at=plan.now,
+            deadline=plan.now + timedelta(seconds=spec["queue_timeout_seconds"]),
+        )
+        plan.new_rows.append(row)
+        plan.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
+        row_acquire(plan, row)
+
+
+def row_acquire(plan: Plan, row: StepRun) -> None:
+    """A queued row asks for its device's lock: dispatched if granted (`locks_answered`),
+    else its queue deadline is written with the acquire; an offline device is not asked."""
+    queue = {Deadline.of("queue", row).member: deadline_score(row.deadline)}
+    if not row.device.reachable:
+        plan.zset_add({Deadline.of("queue", row): row.deadline})
+        plan.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
+        return
+    attempt = attempt_new(row, fence=0, now=plan.now)
+    index = plan.locks.acquire(
+        row.device.name,
+        holder=step_holder(row),
+        priority=row.run.priority,
+        lease_seconds=lease_seconds(step_spec(row)),
+        on_grant={d.member: deadline_score(when) for d, when in attempt.deadlines.items()},
+        on_queue=queue,
+    )
+    plan.acquires[index] = (row, attempt)
+
+
+def locks_answered(plan: Plan, outcomes: list) -> None:
+    """The lock call's answers: granted rows are dispatched, queued ones wait (an event),
+    releases that handed a device on are kept for `handed_plan`."""
+    for index, outcome in enumerate(outcomes):
+        if index in plan.releases:
+            if outcome is not None:
+                plan.handed.append((plan.releases[index].device.name, outcome))
+            continue
+        row, attempt = plan.acquires[index]
+        if isinstance(outcome, Grant):
+            _dispatch(plan, row, attempt, outcome.fence)
+        elif isinstance(outcome, Queued):
+            plan.events.add("step.waiting", step_run=row, message=f"device busy, position {outcome.position}")
+        elif isinstance(outcome, NotReady):
+            plan.rebuild = True
+
+
+def handed_ids(plan: Plan) -> set[int]:
+    """The step rows the releases handed a device to (the executor reads them)."""
+    return {step_id for _, grant in plan.handed if (step_id := holder_step_id(grant.holder)) is not None}
+
+
+def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
+    """Dispatch the queued rows the releases handed a device to; returns the lock writes
+    for them (their deadlines, the queue deadline cleared, the full lease), which the
+    executor applies before the commit. A holder of another kind, a row that moved on, a
+    task row or a device with flow control is dispatched the general way."""
+    writes = LockBatch()
+    for device, grant in plan.handed:
+        step_id = holder_step_id(grant.holder)
+        row = rows.get(step_id) if step_id is not None else None
+        if step_id is None:
+            plan.later_add("handoff", device=device, grant=grant)
+            continue
+        if (
+            row is None
+            or row.status != StepStatus.QUEUED
+            or row.run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING)
+            or row.device.min_interval_seconds
+            or row.device.max_per_minute
+            or not row_batched(row)
+        ):
+            plan.later_add("dispatch", step_run_id=step_id, fence=grant.fence)
+            continue
+        attempt = attempt_new(row, fence=grant.fence, now=plan.now)
+        for shard, group in by_shard(attempt.deadlines).items():
+            writes.zset_add({d.member: deadline_score(attempt.deadlines[d]) for d in group}, shard=shard)
+        queue = Deadline.of("queue", row)
+        writes.zset_remove([queue.member], shard=queue.shard)
+        writes.extend(
+            row.device.name,
+            holder=step_holder(row),
+            fence=grant.fence,
+            lease_seconds=lease_seconds(step_spec(row)),
+        )
+        _dispatch(plan, row, attempt, grant.fence)
+    return writes
+
+
+def _dispatch(plan: Plan, row: StepRun, attempt: Attempt, fence: int) -> None:
+    for name, value in {**attempt.changes, "fence": fence}.items():
+        setattr(row, name, value)
+    plan.events.add("step.dispatched", step_run=row, message=f"attempt {row.attempt}, fence {fence}")
+    plan.dispatches.append(row)
+
+
+def dispatches_writes(plan: Plan) -> list[RowWrite]:
+    """The last writes: the rows dispatched that existed before this transition (the new
+    ones are inserted whole, dispatched or queued)."""
+    new = {row.pk for row in plan.new_rows}
+    handed = [row for row in plan.dispatches if row.pk not in new]
+    if not handed:
+        return []
+    # A handed row canceled meanwhile: undo the lock call and plan again.
+    conflict = "a dispatched row moved during its transition"
+    return [
+        RowWrite(StepRun, handed, DISPATCH_FIELDS, (StepStatus.QUEUED,), conflict=conflict, after_locks=True)
+    ]
