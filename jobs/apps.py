@@ -1,6 +1,20 @@
+from importlib import import_module
+
 from celery import current_app
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
+
+# The modules that declare the step engine's kinds with jobs/engine/kinds.py's decorators:
+# step kinds, row owners, failure policies, deadline kinds. `ready` imports them, then checks.
+KIND_MODULES = (
+    "jobs.engine.start",  # command
+    "jobs.engine.waits",  # delay, wait_online (and its resume on presence); the `wake` deadline
+    "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
+    "jobs.engine.taskstep",  # task
+    "jobs.engine.rollback",  # the rollback policy and its compensation rows
+    "jobs.engine.due",  # the deadlines of an attempt
+    "jobs.cancel",  # the `run` deadline (max_duration)
+)
 
 
 class JobsConfig(AppConfig):
@@ -21,23 +35,18 @@ class JobsConfig(AppConfig):
         from iotqueue.budget import drop_sink_register
         from iotqueue.metrics import family_values_add
 
-        # Importing engine fills its registries, metrics declares the app's /metrics families.
-        from . import (
-            beat,
-            cancel,  # noqa: F401  (registers the `run` deadline's handler: max_duration)
-            canvas,
-            engine,
-            gauges,
-            metrics,
-            replies,
-            step_locks,
-        )
+        # Importing metrics declares the app's /metrics families.
+        from . import beat, canvas, gauges, metrics, replies, step_locks
         from .engine.dispatch import step_handoff
+        from .engine.plan import HOLDER_KIND
         from .events import run_ended
 
+        # Before anything can start a step: a kind declared twice or not at all stops the app.
+        kinds_load()
+
         # The device lock starts, reclaims and rebuilds "step:" holders through these.
-        grant_handler_register(engine.plan.HOLDER_KIND, step_handoff)
-        lease_expiry_register(engine.plan.HOLDER_KIND, step_locks.step_lease_expired)
+        grant_handler_register(HOLDER_KIND, step_handoff)
+        lease_expiry_register(HOLDER_KIND, step_locks.step_lease_expired)
         # Other holders (a DeviceLockedTask) are passed on as without jobs, with an event.
         lease_expiry_register(task_lock.HOLDER_KIND, step_locks.step_lease_expired)
         rebuild_source_register(step_locks.step_lock_records)
@@ -58,6 +67,16 @@ class JobsConfig(AppConfig):
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
         # The monitor tick and retention, fired by beat (jobs/beat.py).
         beat.beat_entries_register(current_app)
+
+
+def kinds_load() -> None:
+    """Import the modules that declare the engine's kinds, then check every kind is declared
+    once; raises ImproperlyConfigured naming what is missing or doubled (the app does not load)."""
+    from .engine.kinds import kinds_check
+
+    for module in KIND_MODULES:
+        import_module(module)
+    kinds_check()
 
 
 # The task that lets runs react to devices' presence (jobs/tasks.py), by name.

@@ -16,8 +16,8 @@ from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
 from .engine.dispatch import step_acquire
-from .engine.due import run_deadline_register
-from .engine.plan import RUN_ACTIVE, holder_step_id, is_task_row, step_holder
+from .engine.kinds import failure_policy_handler, row_commanded, run_deadline
+from .engine.plan import RUN_ACTIVE, holder_step_id, step_holder
 from .engine.runs import attempt_end_continue, run_finish, run_step_done
 from .events import event_record
 from .models import (
@@ -66,7 +66,7 @@ def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANC
     deadlines_clear([Deadline.of(kind, step_run) for kind in KINDS])
     if previous in STEP_IN_FLIGHT and step_run.command_id:
         # A task step's body is not interrupted: its outcome will be stale.
-        if not is_task_row(step_run):
+        if row_commanded(step_run):
             transaction.on_commit(partial(_cancel_command_send, step_run))
         if step_run.device_id:
             device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
@@ -75,6 +75,7 @@ def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANC
     event_record(f"step.{status}", step_run=step_run, message=reason)
 
 
+@run_deadline("run")
 def run_time_out(run_id: str) -> None:
     """The `run` deadline: a run still running past its max_duration ends.
 
@@ -97,13 +98,11 @@ def run_time_out(run_id: str) -> None:
         else:
             step_cancel(step_run=step_run, reason=reason, status=StepStatus.TIMED_OUT)
     index = min(run.cursor, len(run.plan) - 1)
-    if run.plan[index].get("on_failure") == OnFailure.ROLLBACK:
+    # A policy of its own (a rollback) handles the step's time-out; abort and continue end the run.
+    if failure_policy_handler(run.plan[index].get("on_failure", OnFailure.ABORT)) is not None:
         run_step_done(run=run, index=index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
     else:
         run_finish(run=run, status=RunStatus.TIMED_OUT, error=reason)
-
-
-run_deadline_register("run", run_time_out)
 
 
 def _cancel_command_send(step_run: StepRun) -> None:

@@ -23,7 +23,7 @@ from devices.locks import device_lock_state
 from iotqueue.mqtt import PublishError, publisher
 
 from .engine.dispatch import command_message
-from .engine.plan import is_task_row
+from .engine.kinds import row_commanded
 from .models import STEP_IN_FLIGHT, StepRun
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def device_command_current(*, device: str) -> StepRun | None:
         .order_by("-dispatched_at")
         .first()
     )
-    if step_run is None or is_task_row(step_run):
+    if step_run is None or not row_commanded(step_run):
         return None
     return step_run
 

@@ -8,10 +8,9 @@ from operator import attrgetter
 from django.db import transaction
 
 from .engine.dispatch import step_acquire
-from .engine.plan import step_spec
-from .engine.waits import wait_online_check
+from .engine.kinds import row_resume_handler
 from .events import event_record
-from .models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
+from .models import STEP_IN_FLIGHT, StepRun, StepStatus
 
 
 def devices_presence(changes: list[list]) -> None:
@@ -44,8 +43,9 @@ def devices_online(names: list[str]) -> int:
 
 def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
     """A queued step gets another chance: a wait-for-online step checks, a command asks for the lock."""
-    if step_spec(step_run).get("kind") == StepKind.WAIT_ONLINE:
-        wait_online_check(step_run=step_run)
+    resume = row_resume_handler(step_run)
+    if resume is not None:
+        resume(step_run=step_run)
     else:
         step_acquire(step_run=step_run, quiet=quiet)
 

@@ -5,26 +5,30 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
     batch.py     replies that arrived together, applied in one transaction and one Redis
                  call: end the attempts, move the runs on, start and dispatch the next
                  steps, hand freed devices to their next waiters, then publish
+    planner.py   what such a batch decides (run starts, replies, due deadlines), as a
+                 plan of writes, lock operations, deadlines and commands; no I/O
     reply.py     the general path for one reply (unknown, foreign, stale replies)
     runs.py      continuing runs: a step row's outcome moves its run on, rolls it back or
-                 ends it (kinds and policies plug in through registries)
+                 ends it (row owners and failure policies: kinds.py)
     attempts.py  ending an attempt: succeeded, retrying (back-off), failed, timed out
-    start.py     starting the step at a run's cursor, by kind (registry)
+    start.py     starting the step at a run's cursor, by kind (kinds.py)
     publish.py   the commands a task published without waiting for the broker, confirmed
                  before it ends (`Publications`)
     dispatch.py  taking the device lock, committing the attempt, publishing the command
+    kinds.py     the kinds' registry: what each step kind, row owner, failure policy and
+                 deadline kind declared; the stages ask it instead of testing a kind
     plan.py      what a step row executes (spec, target, args, ids); no writes
 
-Step kinds other than a plain command register themselves: waits.py (delay,
-wait_online), fanout.py (group / label fan-out), taskstep.py (a registered Celery task as
-a step), rollback.py (the `rollback` failure policy and its compensation rows). due.py
-maps each deadline kind to its handler.
+Each kind declares itself with a decorator of kinds.py where it is defined: the command in
+start.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py, a
+registered Celery task as a step in taskstep.py, the `rollback` failure policy and its
+compensation rows in rollback.py; due.py handles an attempt's deadlines. jobs/apps.py
+imports those modules (`KIND_MODULES`) when the app loads and checks that every kind is
+declared once (`kinds.kinds_check`); importing this package loads nothing.
 Imports point down this list (a module imports only those below it, never the reverse),
-so there is no cycle; importing this package loads every kind so the registries are full.
+so there is no cycle.
 
 Step:  pending -> queued -> dispatched -> in_progress -> succeeded | failed | rejected | timed_out
        (retrying between attempts; canceled from any non-final state; skipped when a
        fan-out is aborted; see docs/architecture.md)
 """
-
-from . import batch, due, fanout, rollback, taskstep, waits  # noqa: F401  (kinds register on import)

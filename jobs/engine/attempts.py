@@ -26,9 +26,10 @@ from devices.locks import device_lock_dequeue, device_lock_extend, device_lock_p
 from ..choices import DEFAULT_MAX_EXTEND_SECONDS
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record, event_record_sampled
-from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .dispatch import dispatch_if_holding, step_acquire
-from .plan import LEASE_GRACE_SECONDS, is_task_row, step_holder, step_spec
+from .kinds import row_behaviour
+from .plan import LEASE_GRACE_SECONDS, step_holder, step_spec
 
 # Longest back-off between attempts, whatever the step's base and attempt count say.
 BACKOFF_MAX_SECONDS = 3600.0
@@ -152,10 +153,11 @@ def step_queue_timeout(*, step_run: StepRun) -> bool:
     if dispatch_if_holding(step_run):
         return False
     spec = step_spec(step_run)
-    why = "offline" if not step_run.device.reachable else "busy"
-    error = f"waited {spec['queue_timeout_seconds']}s for device {step_run.device.name} ({why})"
-    if spec.get("kind") == StepKind.WAIT_ONLINE:
-        error = f"device {step_run.device.name} did not come online within {spec['queue_timeout_seconds']}s"
+    error = row_behaviour(step_run).queue_timeout_error.format(
+        device=step_run.device.name,
+        seconds=spec["queue_timeout_seconds"],
+        why="offline" if not step_run.device.reachable else "busy",
+    )
     if not StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt).update(
         status=StepStatus.TIMED_OUT, error=error, finished_at=timezone.now()
     ):
@@ -183,11 +185,11 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
     original = step_run.dispatched_at + timedelta(seconds=spec["timeout_seconds"])
     deadline = max(step_run.deadline or now, now + timedelta(seconds=seconds))
     beyond = (deadline - original).total_seconds()
-    if is_task_row(step_run) or beyond > maximum:
+    refused = row_behaviour(step_run).extend_refused
+    if refused or beyond > maximum:
         why = (
-            "a task step's time limit is fixed"
-            if is_task_row(step_run)
-            else (f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s")
+            refused
+            or f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s"
         )
         event_record_sampled(
             "step.extend_refused",

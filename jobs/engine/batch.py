@@ -80,7 +80,8 @@ from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
 from .dispatch import step_acquire, step_dispatch
-from .plan import RUN_ACTIVE, is_task_row, step_holder
+from .kinds import row_batched
+from .plan import RUN_ACTIVE, step_holder
 from .planner import Plan, RowWrite
 from .reply import step_reply
 from .runs import run_advance, run_continue, run_finish, run_step_enter
@@ -267,7 +268,7 @@ def _rows_start(step_run_ids: list[int]) -> None:
     general, batched = [], []
     for row in rows:
         flow = row.device_id is not None and (row.device.min_interval_seconds or row.device.max_per_minute)
-        (general if row.device_id is None or flow or is_task_row(row) else batched).append(row)
+        (general if row.device_id is None or flow or not row_batched(row) else batched).append(row)
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict
 

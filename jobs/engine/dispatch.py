@@ -10,7 +10,6 @@ lock on (devices/locks.py grant handlers; jobs/apps.py registers `step_handoff`)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -36,6 +35,7 @@ from iotqueue.redis_conn import redis_connection
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record
 from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from .kinds import REGISTRY
 from .plan import RUN_ACTIVE, command_id_new, lease_seconds, spec_kind, step_holder, step_spec
 
 log = logging.getLogger(__name__)
@@ -202,20 +202,11 @@ def command_send_checked(*, step_run: StepRun) -> None:
         deadlines_clear([Deadline.of("send", step_run)])
 
 
-# kind -> sender(step_run=...) -> bool, for kinds whose attempt is not an MQTT command to
-# the device (a task step sends a Celery task). Filled by the kind modules on import.
-AttemptSender = Callable[..., bool]
-_senders: dict[str, AttemptSender] = {}
-
-
-def attempt_sender_register(kind: str, sender: AttemptSender) -> None:
-    _senders[kind] = sender
-
-
 def attempt_send(*, step_run: StepRun) -> bool:
-    """Send the step's current attempt the way its kind does (a command by default);
+    """Send the step's current attempt the way its kind does: a command by default, else
+    what the kind declared with `@kinds.attempt_sender` (a task step sends a Celery task);
     False (and an event) when it failed, which the `send` deadline retries."""
-    sender = _senders.get(spec_kind(step_spec(step_run)), command_send)
+    sender = REGISTRY.attempt_senders.get(spec_kind(step_spec(step_run)), command_send)
     return sender(step_run=step_run)
 
 

@@ -1,35 +1,38 @@
 """Due deadlines: what the monitor's claim of a deadline does, by kind (jobs/deadlines.py).
 
-Each kind has one handler in `DEADLINE_HANDLERS`. A handler acts only if the step is still
-where the deadline expected it (same attempt, the status the deadline guards): a deadline
-that fires late, twice, or after its step moved on changes nothing. Kinds that name a run
-(`run`: max_duration) have their handler registered by the module that owns the action
-(`run_deadline_register`, jobs/cancel.py), which checks the run likewise.
+Each kind has one handler, declared with `@kinds.deadline_handler` beside what it acts on:
+the attempt's kinds here, `wake` with the delay step (waits.py), `pump` with the fan-out
+(fanout.py). A step kind may take over every due deadline of its rows
+(`@kinds.row_deadline`: a delay ends whatever found it due). A handler acts only if the
+step is still where the deadline expected it (same attempt, the status the deadline
+guards): a deadline that fires late, twice, or after its step moved on changes nothing.
+Kinds that name a run (`run`: max_duration) have their handler declared by the module that
+owns the action (`@kinds.run_deadline`, jobs/cancel.py), which checks the run likewise.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from django.db import transaction
 from django.utils import timezone
 
 from ..deadlines import RUN_KINDS, Deadline, deadlines_set
-from ..models import STEP_IN_FLIGHT, StepKind, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
 from .batch import deadlines_apply
 from .dispatch import command_resend, dispatch_if_holding
-from .fanout import fanout_pump
+from .kinds import REGISTRY, deadline_handler
 from .plan import spec_kind, step_answerer, step_spec
 from .runs import attempt_end_continue, run_continue
-from .waits import delay_end
 
 
+@deadline_handler("send")
 def _send_due(step_run: StepRun, deadline: Deadline) -> None:
     command_resend(step_run=step_run, attempt=deadline.attempt)
 
 
+@deadline_handler("ack", "done")
 def _answer_due(step_run: StepRun, deadline: Deadline) -> None:
     """No ack / no done in time: the attempt times out (retried if it has budget)."""
     if step_run.status not in STEP_IN_FLIGHT:
@@ -51,27 +54,22 @@ def _answer_due(step_run: StepRun, deadline: Deadline) -> None:
     )
 
 
+@deadline_handler("retry")
 def _retry_due(step_run: StepRun, deadline: Deadline) -> None:
     if step_run.status == StepStatus.RETRYING:
         step_requeue(step_run=step_run)
 
 
+@deadline_handler("queue")
 def _queue_due(step_run: StepRun, deadline: Deadline) -> None:
     if step_run.status == StepStatus.QUEUED and step_queue_timeout(step_run=step_run):
         run_continue(step_run=step_run)
 
 
+@deadline_handler("dispatch")
 def _dispatch_due(step_run: StepRun, deadline: Deadline) -> None:
     if step_run.status == StepStatus.QUEUED:
         dispatch_if_holding(step_run)
-
-
-def _pump_due(step_run: StepRun, deadline: Deadline) -> None:
-    fanout_pump(run=step_run.run, index=step_run.index)
-
-
-def _wake_due(step_run: StepRun, deadline: Deadline) -> None:
-    delay_end(step_run=step_run)
 
 
 log = logging.getLogger(__name__)
@@ -94,38 +92,15 @@ def step_deadlines(deadlines: list[Deadline]) -> None:
             log.exception("deadline %s failed; the database sweep will find its step again", deadline.member)
 
 
-DeadlineHandler = Callable[[StepRun, Deadline], None]
-DEADLINE_HANDLERS: dict[str, DeadlineHandler] = {
-    "send": _send_due,
-    "ack": _answer_due,
-    "done": _answer_due,
-    "retry": _retry_due,
-    "queue": _queue_due,
-    "dispatch": _dispatch_due,
-    "pump": _pump_due,
-    "wake": _wake_due,
-}
-
-
-# Run-level kinds -> handler(run_id); filled by their owners on import.
-RunDeadlineHandler = Callable[[str], None]
-_run_deadline_handlers: dict[str, RunDeadlineHandler] = {}
-
-
-def run_deadline_register(kind: str, handler: RunDeadlineHandler) -> None:
-    _run_deadline_handlers[kind] = handler
-
-
 @transaction.atomic
 def step_deadline(*, deadline: Deadline) -> None:
     """Act on a due deadline if the step (or run) is still where the deadline expected it."""
     if deadline.kind in RUN_KINDS:
-        _run_deadline_handlers[deadline.kind](str(deadline.step_run_id))
+        REGISTRY.run_deadlines[deadline.kind](str(deadline.step_run_id))
         return
     step_run = StepRun.objects.select_related("run", "device").filter(pk=deadline.step_run_id).first()
     if step_run is None or step_run.attempt != deadline.attempt:
         return
-    if spec_kind(step_run.run.plan[step_run.index]) == StepKind.DELAY:
-        delay_end(step_run=step_run)  # whatever found it due (wake, sweep), it is over
-        return
-    DEADLINE_HANDLERS[deadline.kind](step_run, deadline)
+    kind = spec_kind(step_run.run.plan[step_run.index])
+    handler = REGISTRY.row_deadlines.get(kind) or REGISTRY.deadline_handlers[deadline.kind]
+    handler(step_run, deadline)

@@ -30,9 +30,10 @@ from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .batch import rows_start
-from .plan import fanout_devices, step_args
-from .runs import row_ended_register, run_step_done
-from .start import StepRefused, step_kind_register
+from .kinds import deadline_handler, row_ended, step_kind
+from .plan import FANOUT, fanout_devices, step_args
+from .runs import run_step_done
+from .start import StepRefused
 
 # The window of the rollout rate.
 RATE_WINDOW = timedelta(minutes=1)
@@ -149,6 +150,9 @@ def failure_reason(error: str, device: str | None) -> str:
     return error.replace(device, "<device>") if device else error
 
 
+# Its rows are commands the batched path dispatches (its pump: batch.rows_start); a fan-out
+# has no compensation.
+@step_kind(FANOUT, batched_dispatch=True, compensable=False)
 def fanout_start(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none."""
     spec = run.plan[index]
@@ -265,6 +269,12 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
     return len(start)
 
 
+@deadline_handler("pump")
+def pump_due(step_run: StepRun, deadline: Deadline) -> None:
+    """The rollout rate allows more rows of the fan-out `step_run` belongs to."""
+    fanout_pump(run=step_run.run, index=step_run.index)
+
+
 def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     """(rows by status, failure reasons by count) of one fan-out step."""
     rows = _rows(run, index)
@@ -276,6 +286,7 @@ def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
     return by_status, reasons
 
 
+@row_ended(FANOUT)
 def fanout_row_ended(step_run: StepRun) -> None:
     fanout_progress(run=step_run.run, index=step_run.index)
 
@@ -353,7 +364,3 @@ def fanout_abort(*, run: JobRun, index: int, tripped: dict[str, Any], breakdown:
         skipped=skipped,
     )
     run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=error)
-
-
-step_kind_register("fanout", fanout_start)
-row_ended_register("fanout", fanout_row_ended)

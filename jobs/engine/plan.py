@@ -26,6 +26,8 @@ HOLDER_KIND = "step"
 # The lock lease outlives the step's own timeout by this much, so the timeout (a step
 # outcome) always fires before the lease expiry (a crash-recovery path).
 LEASE_GRACE_SECONDS = 30.0
+# The step kind of a plan entry that fans out (`spec_kind`), beside models.StepKind.
+FANOUT = "fanout"
 
 
 def step_holder(step_run: StepRun) -> str:
@@ -61,17 +63,13 @@ def spec_kind(spec: dict[str, Any]) -> str:
     if spec.get("kind") in (StepKind.DELAY, StepKind.TASK):
         return spec["kind"]
     if spec_is_fanout(spec):
-        return "fanout"
+        return FANOUT
     return spec.get("kind") or StepKind.COMMAND
 
 
 def spec_is_fanout(spec: dict[str, Any]) -> bool:
     """Whether a plan entry fans out: it targets a group, labels or a label selector."""
     return bool(spec.get("group") or spec.get("labels") or spec.get("selector"))
-
-
-def is_fanout_row(step_run: StepRun) -> bool:
-    return step_run.phase == Phase.FORWARD and spec_kind(step_run.run.plan[step_run.index]) == "fanout"
 
 
 def is_task_row(step_run: StepRun) -> bool:

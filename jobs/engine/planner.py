@@ -46,15 +46,13 @@ from devices.models import Device
 from .. import templating
 from ..deadlines import Deadline, by_shard, deadline_score
 from ..events import EventLog
-from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new
+from .kinds import row_batched, row_ended_handler, spec_behaviour
 from .plan import (
     holder_step_id,
-    is_fanout_row,
-    is_task_row,
     lease_seconds,
-    spec_kind,
     step_answerer,
     step_args,
     step_holder,
@@ -276,15 +274,7 @@ def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -
 
 def _kind_planned(row: StepRun) -> bool:
     """Rows a plan decides: a plain command on a device, forward or compensation."""
-    return (
-        row.device_id is not None
-        and not is_task_row(row)
-        and spec_kind(step_spec(row))
-        in (
-            StepKind.COMMAND,
-            "fanout",
-        )
-    )
+    return row.device_id is not None and row_batched(row)
 
 
 # --- 2. attempts end, runs move on --------------------------------------------------
@@ -321,7 +311,7 @@ def runs_continue(plan: Plan) -> None:
         if outcome.retry:
             continue
         run = row.run
-        if row.phase == Phase.FORWARD and is_fanout_row(row):
+        if row.phase == Phase.FORWARD and row_ended_handler(row) is not None:
             # One progress check per fan-out and batch, however many of its rows ended.
             if (run.pk, row.index) not in fanouts:
                 fanouts.add((run.pk, row.index))
@@ -361,7 +351,7 @@ def rows_wanted(plan: Plan) -> set[str]:
             continue
         spec = run.plan[run.cursor]
         name, _ = step_target_name(run, spec)
-        if spec_kind(spec) != StepKind.COMMAND or name is None:
+        if not spec_behaviour(spec).batched_start or name is None:
             plan.later_add("enter", run=run, index=run.cursor)
         else:
             plan.naming.append((run, spec, name))
@@ -458,7 +448,7 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
             or row.run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING)
             or row.device.min_interval_seconds
             or row.device.max_per_minute
-            or is_task_row(row)
+            or not row_batched(row)
         ):
             plan.later_add("dispatch", step_run_id=step_id, fence=grant.fence)
             continue

@@ -13,16 +13,17 @@ from django.utils import timezone
 
 from .. import templating
 from ..events import event_record
-from ..models import STEP_TERMINAL, JobRun, OnFailure, Phase, RunStatus, StepKind, StepRun, StepStatus
+from ..models import STEP_TERMINAL, JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
 from .dispatch import step_acquire
-from .plan import spec_is_fanout, step_args
-from .runs import failure_policy_register, row_ended_register
+from .kinds import failure_policy, row_ended, spec_behaviour
+from .plan import step_args
 from .start import step_row_create
 
 # Step outcomes whose effects a compensation may have to undo.
 UNDOABLE = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT)
 
 
+@failure_policy(OnFailure.ROLLBACK)
 def rollback_start(run: JobRun, reason: str) -> None:
     """The failure policy `rollback`: the run starts compensating its steps."""
     if not JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING).update(
@@ -52,9 +53,8 @@ def compensation_next(*, run: JobRun) -> None:
         spec = run.plan[forward.index]
         if (
             not spec.get("compensation_action")
-            or (forward.device_id is None and spec.get("kind") != StepKind.TASK)  # a delay
             or forward.index in done
-            or spec_is_fanout(spec)
+            or not spec_behaviour(spec).compensable
         ):
             continue
         try:
@@ -108,9 +108,6 @@ def _rollback_finish(run: JobRun, compensations) -> None:
         event_record(f"run.{status}", run=run, message=error)
 
 
+@row_ended(Phase.COMPENSATION)
 def compensation_ended(step_run: StepRun) -> None:
     compensation_next(run=step_run.run)
-
-
-failure_policy_register(OnFailure.ROLLBACK, rollback_start)
-row_ended_register(Phase.COMPENSATION, compensation_ended)

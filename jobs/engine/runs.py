@@ -2,9 +2,9 @@
 
 A run is a database state machine: `cursor` is the index of its current step. A step's
 outcome decides the run (`run_step_done`): the next step starts, the run rolls back (a
-failure policy registered by jobs/engine/rollback.py) or the run ends. Rows that are not a
-step's whole outcome (one device of a fan-out, a compensation) report to the handler their
-kind registered with `row_ended_register` instead. Every run transition is a
+failure policy, `@kinds.failure_policy` in jobs/engine/rollback.py) or the run ends. Rows
+that are not a step's whole outcome (one device of a fan-out, a compensation) report to the
+handler their kind declared with `@kinds.row_ended` instead. Every run transition is a
 compare-and-set, so a task that runs twice changes nothing.
 
 Run:   pending -> running -> succeeded | failed | timed_out | canceled
@@ -13,7 +13,6 @@ Run:   pending -> running -> succeeded | failed | timed_out | canceled
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -23,29 +22,14 @@ from django.utils import timezone
 
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
-from ..models import JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
+from ..models import JobRun, OnFailure, RunStatus, StepRun, StepStatus
 from .attempts import attempt_end
-from .plan import RUN_ACTIVE, is_fanout_row
+from .kinds import REGISTRY, row_ended_handler
+from .plan import RUN_ACTIVE
 from .start import StepRefused, step_start
 
 # Statuses a final step outcome maps to on the run when the step's policy aborts it.
 RUN_STATUS_FOR_STEP = {StepStatus.TIMED_OUT: RunStatus.TIMED_OUT}
-
-# Who moves a run on when a row of theirs ended: "fanout" (one device of many) and
-# "compensation" (a rollback step). Filled by those modules on import.
-RowEnded = Callable[[StepRun], None]
-_row_ended: dict[str, RowEnded] = {}
-# on_failure policy -> handler(run, reason), for policies other than abort / continue.
-FailurePolicy = Callable[[JobRun, str], None]
-_failure_policies: dict[str, FailurePolicy] = {}
-
-
-def row_ended_register(kind: str, handler: RowEnded) -> None:
-    _row_ended[kind] = handler
-
-
-def failure_policy_register(policy: str, handler: FailurePolicy) -> None:
-    _failure_policies[policy] = handler
 
 
 @transaction.atomic
@@ -122,7 +106,7 @@ def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str 
     """A step's outcome decides the run (`run_next`): next step, its failure policy, or end (once)."""
     decided = run_next(run, index, ok=ok, status=status, error=error)
     if decided.policy:
-        _failure_policies[decided.policy](run, error)
+        REGISTRY.failure_policies[decided.policy](run, error)
     elif decided.cursor is not None:
         if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(
             cursor=decided.cursor
@@ -143,11 +127,9 @@ def run_continue(*, step_run: StepRun) -> None:
     """After a step row ended for good: move its run on (once)."""
     if step_run.status == StepStatus.CANCELED:
         return
-    if step_run.phase != Phase.FORWARD:
-        _row_ended[step_run.phase](step_run)
-        return
-    if is_fanout_row(step_run):
-        _row_ended["fanout"](step_run)
+    ended = row_ended_handler(step_run)
+    if ended is not None:
+        ended(step_run)
         return
     run_step_done(
         run=step_run.run,

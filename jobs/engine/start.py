@@ -1,7 +1,8 @@
 """Starting steps: the row of the step at a run's cursor, by kind, then its dispatch.
 
-A step kind (command, delay, wait_online, fanout) registers how it starts with
-`step_kind_register`; `step_start` looks the kind up instead of branching on it. A starter
+A step kind (command, delay, wait_online, fanout, task) declares how it starts with
+`@kinds.step_kind` beside its definition; `step_start` looks the kind up instead of
+branching on it. A starter
 either starts the step (rows created once: a redelivered task changes nothing) or refuses
 it with a reason (no such device, a reference with no value), which the caller turns into
 the step's failure (jobs/engine/runs.py).
@@ -9,7 +10,6 @@ the step's failure (jobs/engine/runs.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 
 from django.db import IntegrityError, transaction
@@ -21,7 +21,8 @@ from .. import templating
 from ..events import event_record
 from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
 from .dispatch import step_acquire
-from .plan import spec_kind, step_args, step_target
+from .kinds import spec_behaviour, step_kind
+from .plan import step_args, step_target
 
 
 class StepRefused(Exception):
@@ -32,20 +33,13 @@ class StepRefused(Exception):
         self.device = device
 
 
-# kind -> starter(run, index); raises StepRefused. Filled by the kind modules on import.
-StepStarter = Callable[[JobRun, int], None]
-_starters: dict[str, StepStarter] = {}
-
-
-def step_kind_register(kind: str, starter: StepStarter) -> None:
-    _starters[kind] = starter
-
-
 def step_start(*, run: JobRun, index: int) -> None:
     """Start the run's step at `index` by its kind; raises StepRefused."""
-    _starters[spec_kind(run.plan[index])](run, index)
+    spec_behaviour(run.plan[index]).start(run, index)
 
 
+# The batched transition (jobs/engine/batch.py) starts and dispatches plain commands only.
+@step_kind(StepKind.COMMAND, batched_start=True, batched_dispatch=True)
 def command_start(run: JobRun, index: int) -> None:
     """A command step on one device: its queued row, then the device's lock."""
     step_run = step_row_start(run, index)
@@ -104,6 +98,3 @@ def step_row_create(
     # Its queue deadline goes to Redis only if it has to wait (step_acquire): most steps get
     # their device at once. Should this process die first, the database sweep finds the row.
     return step_run
-
-
-step_kind_register(StepKind.COMMAND, command_start)

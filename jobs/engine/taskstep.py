@@ -30,9 +30,10 @@ from ..events import event_record
 from ..inbox import replies_enqueue
 from ..models import STEP_IN_FLIGHT, JobRun, StepKind, StepRun, StepStatus
 from ..tasksteps import step_task_call
-from .dispatch import attempt_sender_register, step_acquire
+from .dispatch import step_acquire
+from .kinds import attempt_sender, step_kind
 from .plan import step_args, step_spec
-from .start import StepRefused, step_kind_register, step_row_create, step_row_start
+from .start import StepRefused, step_row_create, step_row_start
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ TASK_STEP_RUN_TASK = "jobs.task_step_run"
 TIME_LIMIT_GRACE_SECONDS = 10
 
 
+@step_kind(StepKind.TASK, extend_refused="a task step's time limit is fixed")
 def task_start(run: JobRun, index: int) -> None:
     """A task step: its queued row (with a device when it has a target), then the lock."""
     spec = run.plan[index]
@@ -58,6 +60,7 @@ def task_start(run: JobRun, index: int) -> None:
         step_acquire(step_run=step_run)
 
 
+@attempt_sender(StepKind.TASK)
 def task_send(*, step_run: StepRun) -> bool:
     """Send the current attempt to a worker; False (and an event) when the broker refused.
 
@@ -105,7 +108,3 @@ def task_step_execute(*, step_run_id: int, command_id: str) -> None:
         retryable=outcome.retryable,
     )
     replies_enqueue([[device, done.as_task_payload()]])
-
-
-attempt_sender_register(StepKind.TASK, task_send)
-step_kind_register(StepKind.TASK, task_start)

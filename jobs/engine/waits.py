@@ -9,10 +9,13 @@ from django.utils import timezone
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
+from .kinds import deadline_handler, row_deadline, row_resume, step_kind
 from .runs import run_continue
-from .start import step_kind_register, step_row_start
+from .start import step_row_start
 
 
+# A delay holds no device: there is nothing to compensate.
+@step_kind(StepKind.DELAY, compensable=False)
 def delay_start(run: JobRun, index: int) -> None:
     """Wait plan[index].delay_seconds in the deadline set; the monitor's `wake` ends it."""
     spec = run.plan[index]
@@ -45,10 +48,19 @@ def delay_end(*, step_run: StepRun) -> None:
         run_continue(step_run=step_run)
 
 
+@row_deadline(StepKind.DELAY)
+@deadline_handler("wake")
+def delay_due(step_run: StepRun, deadline: Deadline) -> None:
+    """Whatever found a delay's row due (its `wake`, the database sweep), the delay is over."""
+    delay_end(step_run=step_run)
+
+
+@step_kind(StepKind.WAIT_ONLINE, queue_timeout_error="device {device} did not come online within {seconds}s")
 def wait_online_start(run: JobRun, index: int) -> None:
     wait_online_check(step_run=step_row_start(run, index))
 
 
+@row_resume(StepKind.WAIT_ONLINE)
 def wait_online_check(*, step_run: StepRun) -> bool:
     """Succeed a wait-for-online step if its device is reachable; else it stays queued
     (its queue deadline bounds the wait, jobs/presence.py re-checks on presence)."""
@@ -63,7 +75,3 @@ def wait_online_check(*, step_run: StepRun) -> bool:
         event_record("step.succeeded", step_run=step_run, message=f"{step_run.device.name} is online")
         run_continue(step_run=step_run)
     return True
-
-
-step_kind_register(StepKind.DELAY, delay_start)
-step_kind_register(StepKind.WAIT_ONLINE, wait_online_start)
