@@ -3,21 +3,19 @@ device's lock."""
 
 from __future__ import annotations
 
-import uuid
 from functools import partial
 
 from django.db import transaction
 from django.utils import timezone
 
-from devices import protocol
 from devices.locks import device_lock_dequeue, device_lock_pass_on, device_lock_state
 from devices.models import Device
-from iotqueue.mqtt import PublishError, publisher
 
 from .deadlines import KINDS, Deadline, deadlines_clear
-from .engine.dispatch import step_acquire
+from .engine.batch import run_cancel_apply
+from .engine.dispatch import cancel_command_send, step_acquire
 from .engine.kinds import failure_policy_handler, row_commanded, run_deadline
-from .engine.plan import RUN_ACTIVE, holder_step_id, step_holder
+from .engine.plan import holder_step_id, step_holder
 from .engine.runs import attempt_end_continue, run_finish, run_step_done
 from .events import event_record
 from .models import (
@@ -31,27 +29,19 @@ from .models import (
     StepStatus,
 )
 
-CANCEL_ID_PREFIX = "cancel-"
 
-
-@transaction.atomic
 def run_cancel(*, run: JobRun, by: str) -> bool:
     """Cancel a pending or running run; False when it had already ended.
 
-    Queued steps leave their device queue; an in-flight step's device gets a `cancel`
-    command for it and the lock is handed on at once (the device's late `done` for the
-    canceled command is recorded as stale).
+    One transition (jobs/engine/batch.py `run_cancel_apply`, planned by
+    `planner.cancel_plan`): queued steps leave their device queue; an in-flight step's
+    device gets a `cancel` command for it and the lock is handed on at once (the device's
+    late `done` for the canceled command is recorded as stale).
     """
-    reason = f"canceled by {by or 'unknown'}"
-    if not JobRun.objects.filter(pk=run.pk, status__in=(RunStatus.PENDING, *RUN_ACTIVE)).update(
-        status=RunStatus.CANCELED, error=reason, finished_at=timezone.now()
-    ):
-        return False
-    run.status = RunStatus.CANCELED
-    event_record("run.canceled", run=run, message=reason)
-    for step_run in run.step_runs.select_related("run", "device").exclude(status__in=STEP_TERMINAL):
-        step_cancel(step_run=step_run, reason=reason)
-    return True
+    canceled = run_cancel_apply(str(run.pk), reason=f"canceled by {by or 'unknown'}")
+    if canceled:
+        run.status = RunStatus.CANCELED
+    return canceled
 
 
 def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANCELED) -> None:
@@ -67,7 +57,7 @@ def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANC
     if previous in STEP_IN_FLIGHT and step_run.command_id:
         # A task step's body is not interrupted: its outcome will be stale.
         if row_commanded(step_run):
-            transaction.on_commit(partial(_cancel_command_send, step_run))
+            transaction.on_commit(partial(cancel_command_send, step_run))
         if step_run.device_id:
             device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
     elif step_run.device_id:
@@ -103,23 +93,6 @@ def run_time_out(run_id: str) -> None:
         run_step_done(run=run, index=index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
     else:
         run_finish(run=run, status=RunStatus.TIMED_OUT, error=reason)
-
-
-def _cancel_command_send(step_run: StepRun) -> None:
-    payload = protocol.command_payload(
-        command_id=f"{CANCEL_ID_PREFIX}{step_run.pk}-{uuid.uuid4().hex[:8]}",
-        run=str(step_run.run_id),
-        step=step_run.index,
-        attempt=step_run.attempt,
-        token=step_run.fence,
-        action=protocol.CANCEL_ACTION,
-        args={"id": step_run.command_id},
-        deadline=timezone.now().isoformat(),
-    )
-    try:
-        publisher.publish(step_run.device.command_topic_for(protocol.CANCEL_ACTION), payload)
-    except PublishError as exc:
-        event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
 
 
 @transaction.atomic

@@ -79,7 +79,7 @@ from ..models import JobRun, RunStatus, StepRun, StepStatus
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
-from .dispatch import step_acquire, step_dispatch
+from .dispatch import cancel_command_send, step_acquire, step_dispatch
 from .kinds import row_batched
 from .plan import RUN_ACTIVE, step_holder
 from .planner import Plan, RowWrite
@@ -245,6 +245,32 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     return left + (conflicted[0] if conflicted else batch.plan.unplanned)
 
 
+# A cancel that keeps finding its run's rows moved is planned again this many times (each
+# time from a fresh read; a row moves a few times in a run's life, not forever).
+CANCEL_RETRIES = 5
+
+
+def run_cancel_apply(run_id: str, *, reason: str, retries: int = CANCEL_RETRIES) -> bool:
+    """Cancel a run as one transition (planner.cancel_plan); False when it had ended."""
+    runs = rows_select(JobRun, "id", [run_id])
+    if not runs:
+        return False
+    rows = [r for r in rows_select(StepRun, "run", [run_id], related=("run", "device")) if not r.is_terminal]
+    batch = _Batch({})
+    canceled: list[bool] = []
+
+    def prepare() -> None:
+        canceled.append(planner.cancel_plan(batch.plan, runs[0], rows, reason=reason))
+
+    def again() -> None:
+        if retries <= 0:
+            raise BatchRetry(f"canceling run {run_id} kept conflicting")
+        canceled[:] = [run_cancel_apply(run_id, reason=reason, retries=retries - 1)]
+
+    _transition(batch, prepare, again, "canceling it again from a fresh read")
+    return canceled[-1]
+
+
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires
 # holds Redis for a few milliseconds, and their commands leave together.
 ROWS_START_BATCH = 500
@@ -315,6 +341,8 @@ def _transition(
         batch.undo()
         raise
     try:
+        for row in batch.plan.cancels:
+            _safely(partial(cancel_command_send, row))
         batch.publish()
     finally:
         batch.events.committed()  # logged and told out once committed, after the commands left
@@ -441,6 +469,8 @@ class _Batch(BatchPublish):
         """The transaction failed after the lock call: withdraw what it asked for."""
         for index, outcome in enumerate(self.outcomes):
             try:
+                if index in self.plan.dequeues:
+                    continue  # its row stays queued: the monitor's sweep asks for the lock again
                 if index in self.plan.releases:
                     if outcome is not None:
                         device_lock_handoff(self.plan.releases[index].device.name, outcome)

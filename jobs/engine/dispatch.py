@@ -10,6 +10,7 @@ lock on (devices/locks.py grant handlers; jobs/apps.py registers `step_handoff`)
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -263,3 +264,25 @@ def dispatch_if_holding(step_run: StepRun) -> bool:
 def step_handoff(device: str, grant: Grant) -> None:
     """Grant handler for "step" holders: the lock was handed to a queued step; dispatch it."""
     step_dispatch(step_run_id=int(grant.holder.partition(":")[2]), fence=grant.fence)
+
+
+# A cancel command's id: no step's, so the device's answer to it is recorded as unknown.
+CANCEL_ID_PREFIX = "cancel-"
+
+
+def cancel_command_send(step_run: StepRun) -> None:
+    """Tell the device to stop the row's current command (its run was canceled or timed out)."""
+    payload = protocol.command_payload(
+        command_id=f"{CANCEL_ID_PREFIX}{step_run.pk}-{uuid.uuid4().hex[:8]}",
+        run=str(step_run.run_id),
+        step=step_run.index,
+        attempt=step_run.attempt,
+        token=step_run.fence,
+        action=protocol.CANCEL_ACTION,
+        args={"id": step_run.command_id},
+        deadline=timezone.now().isoformat(),
+    )
+    try:
+        publisher.publish(step_run.device.command_topic_for(protocol.CANCEL_ACTION), payload)
+    except PublishError as exc:
+        event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")

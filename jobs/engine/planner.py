@@ -16,6 +16,8 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 |                           |                                   | lock release and hand-on, deadlines  |
 | due ack, done `dues_plan` | the step row the deadline names   | as a failed, retryable done          |
 | due retry `dues_plan`     | the same                          | row queued again, lock acquire       |
+| cancel `cancel_plan`      | the run, its rows not ended       | run and rows canceled, locks handed  |
+|                           |                                   | on or left, `cancel` commands        |
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
 | next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
 |                           |                                   | deadlines written on grant)          |
@@ -44,12 +46,12 @@ from devices.locks import Grant, LockBatch, NotReady, Queued
 from devices.models import Device
 
 from .. import templating
-from ..deadlines import Deadline, by_shard, deadline_score
+from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
-from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new
-from .kinds import row_batched, row_ended_handler, spec_behaviour
+from .kinds import row_batched, row_commanded, row_ended_handler, spec_behaviour
 from .plan import (
     holder_step_id,
     lease_seconds,
@@ -118,6 +120,7 @@ class Plan:
     later: list[Later] = field(default_factory=list)
     locks: LockBatch = field(default_factory=LockBatch)
     releases: dict[int, StepRun] = field(default_factory=dict)  # lock op index -> ended row
+    dequeues: set[int] = field(default_factory=set)  # lock op indexes: rows leaving a queue
     acquires: dict[int, tuple[StepRun, Attempt]] = field(default_factory=dict)  # op -> new row
     acks: dict[int, StepRun] = field(default_factory=dict)
     ended: list[tuple[StepRun, Outcome]] = field(default_factory=list)
@@ -126,6 +129,7 @@ class Plan:
     new_rows: list[StepRun] = field(default_factory=list)  # inserted whole at the end
     handed: list[tuple[str, Grant]] = field(default_factory=list)
     dispatches: list[StepRun] = field(default_factory=list)  # published after the commit
+    cancels: list[StepRun] = field(default_factory=list)  # their device is sent a `cancel`
     run_deadlines: dict[Deadline, datetime] = field(default_factory=dict)  # after the commit
     rebuild: bool = False  # Redis lost the locks: rebuild them after the commit
     unplanned: list[Deadline] = field(default_factory=list)  # for jobs/engine/due.py's handlers
@@ -277,6 +281,51 @@ def _kind_planned(row: StepRun) -> bool:
     return row.device_id is not None and row_batched(row)
 
 
+# Runs a cancel ends.
+RUN_CANCELABLE = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.COMPENSATING)
+CANCEL_FIELDS = ["status", "error", "finished_at"]
+
+
+def cancel_plan(plan: Plan, run: JobRun, rows: list[StepRun], *, reason: str) -> bool:
+    """Cancel a run that has not ended (False when it has) with its rows that have not:
+    an in-flight attempt's device is sent a `cancel` after the commit and its lock handed
+    on at once (the next waiter is dispatched in the same transition); a queued row leaves
+    its device's queue. The device's late `done` for a canceled command is then stale."""
+    if run.status not in RUN_CANCELABLE:
+        return False
+    run.status, run.error, run.finished_at = RunStatus.CANCELED, reason, plan.now
+    plan.write(JobRun, [run], CANCEL_FIELDS, status_in=RUN_CANCELABLE, conflict="a run ended meanwhile")
+    plan.events.add("run.canceled", run=run, message=reason)
+    by_status: dict[str, list[StepRun]] = {}
+    for row in rows:
+        if row.status in STEP_TERMINAL:
+            continue
+        was = row.status
+        row.status, row.error, row.finished_at = StepStatus.CANCELED, reason, plan.now
+        by_status.setdefault(was, []).append(row)
+        plan.zset_remove([Deadline.of(kind, row) for kind in KINDS])
+        if was in STEP_IN_FLIGHT and row.command_id:
+            # A task step's body is not interrupted: its outcome will be stale.
+            if row_commanded(row):
+                plan.cancels.append(row)
+            if row.device_id is not None:
+                index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
+                plan.releases[index] = row
+        elif row.device_id is not None:
+            plan.dequeues.add(plan.locks.dequeue(row.device.name, holder=step_holder(row)))
+        plan.events.add("step.canceled", step_run=row, message=reason)
+    for was, group in by_status.items():
+        plan.write(
+            StepRun,
+            group,
+            CANCEL_FIELDS,
+            status_in=(was,),
+            match="attempt",
+            conflict="a step moved meanwhile",
+        )
+    return True
+
+
 # --- 2. attempts end, runs move on --------------------------------------------------
 
 
@@ -415,6 +464,8 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
         if index in plan.releases:
             if outcome is not None:
                 plan.handed.append((plan.releases[index].device.name, outcome))
+            continue
+        if index in plan.dequeues:
             continue
         row, attempt = plan.acquires[index]
         if isinstance(outcome, Grant):

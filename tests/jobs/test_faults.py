@@ -56,21 +56,34 @@ def wait_busy(sim, count: int) -> None:
     wait_for(lambda: sim.stats()["totals"]["commands"] >= count, what=f"{count} commands delivered")
 
 
+# Each fault strikes this many times in a row during one workload, each time once the
+# devices got four more commands: a recovery must survive the next fault as well.
+FAULT_ROUNDS = 3
+
+
+def faults_strike(sim, fault) -> None:
+    for round_ in range(1, FAULT_ROUNDS + 1):
+        wait_busy(sim, 4 * round_)
+        fault()
+
+
 def test_worker_sigkilled_mid_run(stack, workload):
     sim, start = workload
     runs = start(12)
-    wait_busy(sim, 4)
-    stack.restart("worker", kill=True)
+    faults_strike(sim, lambda: stack.restart("worker", kill=True))
     assert_runs_ended_without_overlap(sim, runs, stack)
 
 
 def test_bridge_killed_and_restarted(stack, workload):
     sim, start = workload
     runs = start(12)
-    wait_busy(sim, 4)
-    stack.supervisor.kill("bridge")
-    time.sleep(1.0)  # replies published now are lost; timeouts and retries must recover them
-    stack.restart("bridge")
+
+    def bridge_killed() -> None:
+        stack.supervisor.kill("bridge")
+        time.sleep(1.0)  # replies published now are lost; timeouts and retries must recover them
+        stack.restart("bridge")
+
+    faults_strike(sim, bridge_killed)
     assert_runs_ended_without_overlap(sim, runs, stack)
 
 
@@ -79,8 +92,7 @@ def test_redis_restarted_loses_locks_and_queue(stack, workload):
         pytest.skip("Redis is external (REDIS_URL): not ours to restart")
     sim, start = workload
     runs = start(12)
-    wait_busy(sim, 4)
-    stack.services.redis.restart()
+    faults_strike(sim, stack.services.redis.restart)
     assert_runs_ended_without_overlap(sim, runs, stack)
 
 
@@ -89,6 +101,5 @@ def test_mqtt_broker_restarted(stack, workload):
         pytest.skip("the MQTT broker is external (MQTT_URL): not ours to restart")
     sim, start = workload
     runs = start(12)
-    wait_busy(sim, 4)
-    stack.services.broker.restart()
+    faults_strike(sim, stack.services.broker.restart)
     assert_runs_ended_without_overlap(sim, runs, stack)

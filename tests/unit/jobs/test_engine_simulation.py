@@ -6,7 +6,7 @@ transition.lua's rules (priority then FIFO, fences that only grow, hand-off to t
 head), deadlines in a sorted map, devices as mailboxes — through random interleavings:
 run starts; replies duplicated, late, out of order and from other devices; batches of
 replies applied together or one at a time; attempts timing out and retried; devices going
-offline and back; a worker dying between its commit and its publish (the `send` deadline
+offline and back; runs canceled whatever they are doing; a worker dying between its commit and its publish (the `send` deadline
 sends again); two workers planning from the same read (the second one's compare-and-set
 fails and it plans again from a fresh read). After every step it checks the invariants;
 once the inputs stop, every run must end. A failing example prints its steps and its seed
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from uuid import uuid4
+from uuid import UUID
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -31,8 +31,14 @@ from jobs.engine import planner
 from jobs.engine.plan import holder_step_id, step_holder
 from jobs.models import STEP_IN_FLIGHT, JobRun, OnFailure, RunStatus, StepRun, StepStatus
 
-STEP_TERMINAL = {StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT}
-RUN_TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.TIMED_OUT}
+STEP_TERMINAL = {
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.REJECTED,
+    StepStatus.TIMED_OUT,
+    StepStatus.CANCELED,
+}
+RUN_TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.TIMED_OUT, RunStatus.CANCELED}
 DEVICES = ("d0", "d1", "d2")
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 BAND = 2**40
@@ -81,6 +87,10 @@ class Locks:
                 outcomes.append(self._release(lock, op))
             elif op["o"] == "e":
                 outcomes.append(lock.holder == op["h"] and lock.fence == op["f"])
+            elif op["o"] == "q":
+                waiting = [h for _, h in lock.queue]
+                lock.queue = [(score, h) for score, h in lock.queue if h != op["h"]]
+                outcomes.append(op["h"] in waiting)
             else:
                 raise AssertionError(f"op {op['o']} is not simulated")
         for writes in batch.writes.values():
@@ -220,9 +230,12 @@ class World:
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
         for later in plan.later:
-            # Only replies that answer no current attempt are left to the general path here
-            # (recorded there as stale, unknown or foreign); they change nothing.
-            assert later.what == "reply", later
+            # Left to the general path here, and changing nothing there: replies that answer
+            # no current attempt (recorded as stale, unknown or foreign), and the start of a
+            # run that is no longer pending (canceled before it started).
+            assert later.what == "reply" or (
+                later.what == "advance" and self.runs[UUID(later.args["run_id"])].status in RUN_TERMINAL
+            ), later
         assert not plan.rebuild
         if self.crash_next_publish:
             self.crash_next_publish = False  # the worker died after its commit
@@ -254,6 +267,13 @@ class World:
             rows = self.by_command({r.command_id for _, r in replies})
             planner.replies_plan(plan, rows, replies)
             planner.runs_continue(plan)
+
+        self.apply(prepare)
+
+    def cancel(self, run_id) -> None:
+        def prepare(plan):
+            rows = [self.row_read(pk) for pk, r in self.rows.items() if r.run_id == run_id]
+            planner.cancel_plan(plan, self.run_read(run_id), rows, reason="canceled by tester")
 
         self.apply(prepare)
 
@@ -340,7 +360,12 @@ class World:
             for i, (device, policy, attempts) in enumerate(steps)
         ]
         run = JobRun(
-            id=uuid4(), plan=plan, parameters={}, priority=priority, status=RunStatus.PENDING, cursor=0
+            id=UUID(int=len(self.runs) + 1),
+            plan=plan,
+            parameters={},
+            priority=priority,
+            status=RunStatus.PENDING,
+            cursor=0,
         )
         self.runs[run.pk] = run
         return run
@@ -460,6 +485,11 @@ class EngineMachine(RuleBasedStateMachine):
             self.world.transition(stale)
         except Conflict:
             self.world.replies_apply(replies)
+
+    @rule(data=st.data())
+    def run_canceled(self, data):
+        """An operator cancels a run, whatever it is doing (a pending run too)."""
+        self.world.cancel(data.draw(st.sampled_from(sorted(self.world.runs))))
 
     @rule(seconds=st.sampled_from([1, 3, 10, 31, 120]))
     def time_passes(self, seconds):
