@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from itertools import groupby
-from operator import attrgetter
-
 from django.db import transaction
 
+from .engine.batch import rows_start
 from .engine.dispatch import step_acquire
 from .engine.kinds import row_resume_handler
 from .events import event_record
@@ -21,24 +19,27 @@ def devices_presence(changes: list[list]) -> None:
 
 
 def devices_online(names: list[str]) -> int:
-    """The devices are back: each one's waiting steps ask for the lock, oldest first.
+    """The devices are back: their waiting steps ask for the lock, oldest first per device.
 
-    One query finds the waiting steps of all of them; each device's are resumed in a
-    transaction of its own."""
+    One query finds the waiting steps of all of them; the commands among them take their
+    locks as batched transitions (`rows_start`: one transaction and one lock call per 500
+    rows), a step of another kind (wait_online) resumes its own way."""
     if not names:
         return 0
-    waiting = (
+    waiting = list(
         StepRun.objects.select_related("run", "device")
         .filter(device__name__in=names, status=StepStatus.QUEUED)
         .order_by("device_id", "queued_at", "pk")
     )
-    count = 0
-    for _, steps in groupby(waiting, key=attrgetter("device_id")):
-        with transaction.atomic():
-            for step_run in steps:
-                step_resume(step_run=step_run)
-                count += 1
-    return count
+    commands = []
+    for step_run in waiting:
+        resume = row_resume_handler(step_run)
+        if resume is not None:
+            resume(step_run=step_run)
+        else:
+            commands.append(step_run.pk)
+    rows_start(commands)
+    return len(waiting)
 
 
 def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:

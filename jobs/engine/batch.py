@@ -289,7 +289,11 @@ def rows_start(step_run_ids: list[int]) -> None:
 
 
 def _rows_start(step_run_ids: list[int]) -> None:
-    rows = rows_select(StepRun, "id", step_run_ids, related=("run", "device"))
+    order = {pk: n for n, pk in enumerate(step_run_ids)}
+    rows = sorted(
+        rows_select(StepRun, "id", step_run_ids, related=("run", "device")), key=lambda r: order[r.pk]
+    )
+    # In the caller's order: a device's rows join its queue in it (oldest first).
     rows = [row for row in rows if row.status == StepStatus.QUEUED and row.run.status in RUN_ACTIVE]
     general, batched = [], []
     for row in rows:
