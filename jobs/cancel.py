@@ -3,27 +3,20 @@ device's lock."""
 
 from __future__ import annotations
 
-from functools import partial
-
 from django.db import transaction
-from django.utils import timezone
 
-from devices.locks import device_lock_dequeue, device_lock_pass_on, device_lock_state
+from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
 
-from .deadlines import KINDS, Deadline, deadlines_clear
-from .engine.batch import run_cancel_apply
-from .engine.dispatch import cancel_command_send, step_acquire
-from .engine.kinds import failure_policy_handler, row_commanded, run_deadline
-from .engine.plan import holder_step_id, step_holder
-from .engine.runs import attempt_end_continue, run_finish, run_step_done
+from .engine.batch import run_cancel_apply, run_time_out_apply
+from .engine.dispatch import step_acquire
+from .engine.kinds import run_deadline
+from .engine.plan import holder_step_id
+from .engine.runs import attempt_end_continue
 from .events import event_record
 from .models import (
     STEP_IN_FLIGHT,
-    STEP_TERMINAL,
     JobRun,
-    OnFailure,
-    Phase,
     RunStatus,
     StepRun,
     StepStatus,
@@ -44,27 +37,6 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     return canceled
 
 
-def step_cancel(*, step_run: StepRun, reason: str, status: str = StepStatus.CANCELED) -> None:
-    """End a row that has not ended as `status` (canceled, or timed_out by max_duration): the
-    device gets a `cancel` for an in-flight command, the lock is handed on or left."""
-    previous = step_run.status
-    if not StepRun.objects.filter(pk=step_run.pk, status=previous, attempt=step_run.attempt).update(
-        status=status, error=reason, finished_at=timezone.now()
-    ):
-        return  # it moved on meanwhile; a finished attempt needs no cancel
-    step_run.status = status
-    deadlines_clear([Deadline.of(kind, step_run) for kind in KINDS])
-    if previous in STEP_IN_FLIGHT and step_run.command_id:
-        # A task step's body is not interrupted: its outcome will be stale.
-        if row_commanded(step_run):
-            transaction.on_commit(partial(cancel_command_send, step_run))
-        if step_run.device_id:
-            device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
-    elif step_run.device_id:
-        device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
-    event_record(f"step.{status}", step_run=step_run, message=reason)
-
-
 @run_deadline("run")
 def run_time_out(run_id: str) -> None:
     """The `run` deadline: a run still running past its max_duration ends.
@@ -73,26 +45,10 @@ def run_time_out(run_id: str) -> None:
     locks are handed on), rows not started are skipped; then the current step's policy
     decides as for a step that timed out: `rollback` compensates (the run ends compensated
     or failed), `abort` and `continue` end the run `timed_out`. A run that ended, or is
-    compensating, is left alone. Runs inside the deadline task's transaction.
+    compensating, is left alone. One transition (jobs/engine/batch.py `run_time_out_apply`,
+    planned by `planner.run_time_out_plan`).
     """
-    run = JobRun.objects.select_for_update().filter(pk=run_id, status=RunStatus.RUNNING).first()
-    if run is None or run.deadline is None or run.deadline > timezone.now():
-        return
-    reason = f"run exceeded its max_duration ({run.max_duration}s)"
-    rows = run.step_runs.select_related("run", "device").filter(phase=Phase.FORWARD)
-    for step_run in rows.exclude(status__in=STEP_TERMINAL):
-        if step_run.status == StepStatus.PENDING:  # a fan-out row not started
-            StepRun.objects.filter(pk=step_run.pk, status=StepStatus.PENDING).update(
-                status=StepStatus.SKIPPED, error=reason, finished_at=timezone.now()
-            )
-        else:
-            step_cancel(step_run=step_run, reason=reason, status=StepStatus.TIMED_OUT)
-    index = min(run.cursor, len(run.plan) - 1)
-    # A policy of its own (a rollback) handles the step's time-out; abort and continue end the run.
-    if failure_policy_handler(run.plan[index].get("on_failure", OnFailure.ABORT)) is not None:
-        run_step_done(run=run, index=index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
-    else:
-        run_finish(run=run, status=RunStatus.TIMED_OUT, error=reason)
+    run_time_out_apply(run_id)
 
 
 @transaction.atomic

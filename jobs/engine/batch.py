@@ -84,7 +84,7 @@ from .kinds import row_batched
 from .plan import RUN_ACTIVE, step_holder
 from .planner import Plan, RowWrite
 from .reply import step_reply
-from .runs import run_advance, run_continue, run_finish, run_step_enter
+from .runs import run_advance, run_continue, run_finish, run_step_done, run_step_enter
 
 log = logging.getLogger(__name__)
 
@@ -250,25 +250,37 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
 CANCEL_RETRIES = 5
 
 
-def run_cancel_apply(run_id: str, *, reason: str, retries: int = CANCEL_RETRIES) -> bool:
+def run_cancel_apply(run_id: str, *, reason: str) -> bool:
     """Cancel a run as one transition (planner.cancel_plan); False when it had ended."""
+    return _run_stop(run_id, partial(planner.cancel_plan, reason=reason))
+
+
+def run_time_out_apply(run_id: str) -> bool:
+    """The `run` deadline as one transition (planner.run_time_out_plan): a running run past
+    its max_duration ends `timed_out` with its rows at work; False when it was not due."""
+    return _run_stop(run_id, planner.run_time_out_plan)
+
+
+def _run_stop(run_id: str, plan_with, retries: int = CANCEL_RETRIES) -> bool:
+    """Read a run and its rows that have not ended, plan with `plan_with(plan, run, rows)`
+    and carry it out; planned again from a fresh read when a row moved meanwhile."""
     runs = rows_select(JobRun, "id", [run_id])
     if not runs:
         return False
     rows = [r for r in rows_select(StepRun, "run", [run_id], related=("run", "device")) if not r.is_terminal]
     batch = _Batch({})
-    canceled: list[bool] = []
+    stopped: list[bool] = []
 
     def prepare() -> None:
-        canceled.append(planner.cancel_plan(batch.plan, runs[0], rows, reason=reason))
+        stopped.append(plan_with(batch.plan, runs[0], rows))
 
     def again() -> None:
         if retries <= 0:
-            raise BatchRetry(f"canceling run {run_id} kept conflicting")
-        canceled[:] = [run_cancel_apply(run_id, reason=reason, retries=retries - 1)]
+            raise BatchRetry(f"stopping run {run_id} kept conflicting")
+        stopped[:] = [_run_stop(run_id, plan_with, retries - 1)]
 
-    _transition(batch, prepare, again, "canceling it again from a fresh read")
-    return canceled[-1]
+    _transition(batch, prepare, again, "planning it again from a fresh read")
+    return stopped[-1]
 
 
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires
@@ -362,6 +374,11 @@ def _safely(work: Callable[[], None]) -> None:
         log.exception("after a reply batch: %s failed; the monitor's sweep finds its step again", work)
 
 
+def run_step_done_failed(*, run: JobRun, index: int, status: str, error: str) -> None:
+    """A step failure whose policy decides on its own (a rollback), after the commit."""
+    run_step_done(run=run, index=index, ok=False, status=status, error=error)
+
+
 # What a plan's `Later` entries run after the commit (planner.Later.what -> the function).
 LATER_WORK: dict[str, Callable[..., None]] = {
     "reply": step_reply,
@@ -370,6 +387,7 @@ LATER_WORK: dict[str, Callable[..., None]] = {
     "enter": run_step_enter,
     "dispatch": step_dispatch,
     "handoff": lambda *, device, grant: device_lock_handoff(device, grant),
+    "policy": run_step_done_failed,
 }
 
 

@@ -92,12 +92,19 @@ def step_deadlines(deadlines: list[Deadline]) -> None:
             log.exception("deadline %s failed; the database sweep will find its step again", deadline.member)
 
 
-@transaction.atomic
 def step_deadline(*, deadline: Deadline) -> None:
-    """Act on a due deadline if the step (or run) is still where the deadline expected it."""
+    """Act on a due deadline if the step (or run) is still where the deadline expected it.
+
+    A run's deadline is a transition of its own (it publishes after its commit); a row's is
+    handled in one transaction."""
     if deadline.kind in RUN_KINDS:
         REGISTRY.run_deadlines[deadline.kind](str(deadline.step_run_id))
         return
+    _row_deadline(deadline)
+
+
+@transaction.atomic
+def _row_deadline(deadline: Deadline) -> None:
     step_run = StepRun.objects.select_related("run", "device").filter(pk=deadline.step_run_id).first()
     if step_run is None or step_run.attempt != deadline.attempt:
         return

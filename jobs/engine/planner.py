@@ -18,6 +18,7 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 | due retry `dues_plan`     | the same                          | row queued again, lock acquire       |
 | cancel `cancel_plan`      | the run, its rows not ended       | run and rows canceled, locks handed  |
 |                           |                                   | on or left, `cancel` commands        |
+| due run `run_time_out_plan` | the same                        | the same, timed out; the run ended   |
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
 | next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
 |                           |                                   | deadlines written on grant)          |
@@ -287,21 +288,61 @@ CANCEL_FIELDS = ["status", "error", "finished_at"]
 
 
 def cancel_plan(plan: Plan, run: JobRun, rows: list[StepRun], *, reason: str) -> bool:
-    """Cancel a run that has not ended (False when it has) with its rows that have not:
-    an in-flight attempt's device is sent a `cancel` after the commit and its lock handed
-    on at once (the next waiter is dispatched in the same transition); a queued row leaves
-    its device's queue. The device's late `done` for a canceled command is then stale."""
+    """Cancel a run that has not ended (False when it has) with its rows that have not
+    (`rows_stop`). The device's late `done` for a canceled command is then stale."""
     if run.status not in RUN_CANCELABLE:
         return False
     run.status, run.error, run.finished_at = RunStatus.CANCELED, reason, plan.now
     plan.write(JobRun, [run], CANCEL_FIELDS, status_in=RUN_CANCELABLE, conflict="a run ended meanwhile")
     plan.events.add("run.canceled", run=run, message=reason)
+    rows_stop(plan, rows, status=StepStatus.CANCELED, reason=reason)
+    return True
+
+
+def run_time_out_plan(plan: Plan, run: JobRun, rows: list[StepRun]) -> bool:
+    """A running run past its max_duration (False when it is not: ended, compensating, or
+    its deadline was moved): its forward rows at work end `timed_out` (`rows_stop`), rows
+    not started are skipped; then the current step's policy decides as for a step that
+    timed out: a policy of its own (a rollback) after the commit, the general way; abort
+    and continue end the run `timed_out`."""
+    if run.status != RunStatus.RUNNING or run.deadline is None or run.deadline > plan.now:
+        return False
+    reason = f"run exceeded its max_duration ({run.max_duration}s)"
+    forward = [row for row in rows if row.phase == Phase.FORWARD]
+    skipped = [row for row in forward if row.status == StepStatus.PENDING]  # fan-out rows not started
+    for row in skipped:
+        row.status, row.error, row.finished_at = StepStatus.SKIPPED, reason, plan.now
+    plan.write(
+        StepRun, skipped, CANCEL_FIELDS, status_in=(StepStatus.PENDING,), conflict="a row started meanwhile"
+    )
+    rows_stop(
+        plan,
+        [row for row in forward if row.status != StepStatus.SKIPPED],
+        status=StepStatus.TIMED_OUT,
+        reason=reason,
+    )
+    index = min(run.cursor, len(run.plan) - 1)
+    decided = run_next(run, index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
+    if decided.policy:
+        plan.later_add("policy", run=run, index=index, status=StepStatus.TIMED_OUT, error=reason)
+        return True
+    run.status, run.error, run.finished_at = RunStatus.TIMED_OUT, reason, plan.now
+    plan.write(JobRun, [run], CANCEL_FIELDS, status_in=(RunStatus.RUNNING,), conflict="a run ended meanwhile")
+    plan.events.add("run.timed_out", run=run, message=reason)
+    return True
+
+
+def rows_stop(plan: Plan, rows: list[StepRun], *, status: str, reason: str) -> None:
+    """End the rows that have not ended as `status` (canceled, or timed out by the run's
+    max_duration): an in-flight attempt's device is sent a `cancel` after the commit and its
+    lock handed on at once (the next waiter is dispatched in the same transition); a queued
+    row leaves its device's queue."""
     by_status: dict[str, list[StepRun]] = {}
     for row in rows:
         if row.status in STEP_TERMINAL:
             continue
         was = row.status
-        row.status, row.error, row.finished_at = StepStatus.CANCELED, reason, plan.now
+        row.status, row.error, row.finished_at = status, reason, plan.now
         by_status.setdefault(was, []).append(row)
         plan.zset_remove([Deadline.of(kind, row) for kind in KINDS])
         if was in STEP_IN_FLIGHT and row.command_id:
@@ -313,7 +354,7 @@ def cancel_plan(plan: Plan, run: JobRun, rows: list[StepRun], *, reason: str) ->
                 plan.releases[index] = row
         elif row.device_id is not None:
             plan.dequeues.add(plan.locks.dequeue(row.device.name, holder=step_holder(row)))
-        plan.events.add("step.canceled", step_run=row, message=reason)
+        plan.events.add(f"step.{status}", step_run=row, message=reason)
     for was, group in by_status.items():
         plan.write(
             StepRun,
@@ -323,7 +364,6 @@ def cancel_plan(plan: Plan, run: JobRun, rows: list[StepRun], *, reason: str) ->
             match="attempt",
             conflict="a step moved meanwhile",
         )
-    return True
 
 
 # --- 2. attempts end, runs move on --------------------------------------------------

@@ -3,13 +3,14 @@
 Hypothesis drives the planner with an in-memory executor — rows in a dict, each write a
 compare-and-set checked at commit, the device locks as a model of devices/lua/
 transition.lua's rules (priority then FIFO, fences that only grow, hand-off to the queue's
-head), deadlines in a sorted map, devices as mailboxes — through random interleavings:
-run starts; replies duplicated, late, out of order and from other devices; batches of
-replies applied together or one at a time; attempts timing out and retried; devices going
-offline and back; runs canceled whatever they are doing; a worker dying between its commit and its publish (the `send` deadline
-sends again); two workers planning from the same read (the second one's compare-and-set
-fails and it plans again from a fresh read). After every step it checks the invariants;
-once the inputs stop, every run must end. A failing example prints its steps and its seed
+head), deadlines in a sorted map, devices as mailboxes — through random interleavings: run
+starts; replies duplicated, late, out of order and from other devices; batches of replies
+applied together or one at a time; attempts timing out and retried; devices going offline
+and back; runs canceled whatever they are doing, or timed out by their max_duration; a
+worker dying between its commit and its publish (the `send` deadline sends again); two
+workers planning from the same read (the second one's compare-and-set fails and it plans
+again from a fresh read). After every step it checks the invariants; once the inputs stop,
+every run must end. A failing example prints its steps and its seed
 (`@reproduce_failure`), which replays it.
 """
 
@@ -301,6 +302,15 @@ class World:
                 and row.status == "dispatched"
             ):
                 self.publish(row)  # jobs/engine/dispatch.py `command_resend`
+        for d in deadlines:
+            if d.kind == "run":  # a run past its max_duration (jobs/cancel.py `run_time_out`)
+                run_id = UUID(str(d.step_run_id))
+
+                def timed_out(plan, run_id=run_id):
+                    rows = [self.row_read(pk) for pk, r in self.rows.items() if r.run_id == run_id]
+                    planner.run_time_out_plan(plan, self.run_read(run_id), rows)
+
+                self.apply(timed_out)
         planned = [d for d in deadlines if d.kind in planner.PLANNED_DEADLINES]
         if planned:
 
@@ -360,6 +370,7 @@ class World:
             for i, (device, policy, attempts) in enumerate(steps)
         ]
         run = JobRun(
+            max_duration=90 if priority % 3 == 0 else None,
             id=UUID(int=len(self.runs) + 1),
             plan=plan,
             parameters={},
@@ -664,3 +675,25 @@ def test_a_higher_priority_waiter_is_handed_the_device_first():
 
     handed = world.rows[world.inbox["d0"][1]["pk"]]
     assert handed.run_id == high.pk and holder_step_id(world.locks.devices["d0"].holder) == handed.pk
+
+
+def test_a_run_past_its_max_duration_times_out_and_hands_its_device_on():
+    # given a run whose step holds d0 past the run's max_duration, and another run waiting for d0
+    world = World()
+    slow = world.run_new([("d0", OnFailure.ABORT, 1), ("d1", OnFailure.ABORT, 1)], 3)  # max_duration 90
+    slow.plan[0]["timeout_seconds"] = 600  # its attempt outlives the run
+    waiting = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    world.start(slow.pk)
+    world.start(waiting.pk)
+    first = world.inbox["d0"][0]
+    world.replies_apply([("d0", reply("ack", first["id"]))])
+
+    # when 91 seconds pass
+    world.advance(91)
+
+    # then the run timed out with its step, and d0 went to the waiting run at once
+    assert world.runs[slow.pk].status == RunStatus.TIMED_OUT
+    assert "max_duration" in world.runs[slow.pk].error
+    assert world.rows[first["pk"]].status == StepStatus.TIMED_OUT
+    handed = world.inbox["d0"][1]
+    assert world.rows[handed["pk"]].run_id == waiting.pk and handed["token"] > first["token"]
