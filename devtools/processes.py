@@ -180,23 +180,33 @@ class Supervisor:
                 child.process.wait()
 
     def stop(self, name: str) -> None:
-        child = self.children.get(name)
-        if child is None:
-            return
-        child.held = True
-        if not child.alive():
-            return
-        child.process.send_signal(signal.SIGTERM)
-        try:
-            child.process.wait(STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
+        self._stop_many([name])
 
     def stop_all(self) -> None:
+        """Stop every child, all at once: each gets SIGTERM now and its grace period runs
+        alongside the others' (one after another, the warm shutdowns added up)."""
         self._closing.set()
-        for name in reversed(list(self.children)):
-            self.stop(name)
+        self._stop_many(list(reversed(list(self.children))))
+
+    def _stop_many(self, names: list[str]) -> None:
+        """SIGTERM each child named, then wait for each, killing the ones still up when
+        STOP_GRACE_SECONDS have passed since the signal."""
+        stopping = []
+        for name in names:
+            child = self.children.get(name)
+            if child is None:
+                continue
+            child.held = True
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+                stopping.append(child)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for child in stopping:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
 
     def __enter__(self) -> Supervisor:
         return self

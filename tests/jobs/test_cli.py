@@ -83,12 +83,24 @@ def test_exit_status_of_a_real_process_follows_the_run(stack, simulator):
     good = template_with_steps((device, "ok", {}))
     bad = template_with_steps((device, "bad", {}))
 
-    def run_start(template) -> subprocess.CompletedProcess:
+    def run_start(template) -> subprocess.Popen:
         argv = manage_argv("run_start", template.name, "--wait", "--timeout", "60")
-        return subprocess.run(argv, env=stack.supervisor.env, capture_output=True, text=True, timeout=90)
+        return subprocess.Popen(
+            argv, env=stack.supervisor.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
-    # when each is started and followed by `manage.py run_start --wait`
-    succeeded, failed = run_start(good), run_start(bad)
+    def ended(process: subprocess.Popen) -> subprocess.CompletedProcess:
+        stdout, stderr = process.communicate(timeout=90)
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+    # when each is started and followed by `manage.py run_start --wait` (both processes at
+    # once: each starts Django and follows its own run, and the device takes them in turn)
+    processes = [run_start(good), run_start(bad)]
+    try:
+        succeeded, failed = (ended(process) for process in processes)
+    finally:
+        for process in processes:
+            process.kill()
 
     # then the exit status says how the run ended, and the output shows its steps
     assert succeeded.returncode == 0, succeeded.stderr
