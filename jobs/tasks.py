@@ -74,7 +74,17 @@ def _batch_event(task, work: inbox.Work) -> None:
         log.warning("inbox: the drain's batch event was not sent (%r)", exc)
 
 
-@shared_task(base=EngineTask, bind=True, name=canvas.PARK_TASK, ignore_result=False)
+@shared_task(
+    base=EngineTask,
+    bind=True,
+    name=canvas.PARK_TASK,
+    ignore_result=False,
+    # The park is idempotent (the run's idempotency key is the task id): a database or
+    # Redis outage while parking retries it instead of stopping the canvas.
+    autoretry_for=(DatabaseError, RedisError),
+    default_retry_delay=0.5,
+    max_retries=20,
+)
 def device_command_task(self, previous=None, *, device: str, action: str, args: dict, options: dict) -> None:
     """A device command link of a Celery canvas (jobs/canvas.py): parks the canvas in a run.
 
