@@ -23,13 +23,14 @@ def _key(device: Device) -> str:
     return redis_key("sent", "{" + device.name + "}")
 
 
-def _limited(device: Device) -> bool:
+def device_flow_limited(device: Device) -> bool:
+    """Whether the device spaces its commands (`min_interval_seconds`, `max_per_minute`)."""
     return bool(device.min_interval_seconds or device.max_per_minute)
 
 
 def device_flow_wait(device: Device, *, now: float | None = None) -> float:
     """Seconds to wait before the device may get its next command (0 = now)."""
-    if not _limited(device):
+    if not device_flow_limited(device):
         return 0.0
     keep = max(1, device.max_per_minute)
     sent = [float(t) for t in redis_connection().lrange(_key(device), 0, keep - 1)]
@@ -55,7 +56,7 @@ def flow_wait(sent: list[float], *, min_interval_seconds: float, max_per_minute:
 
 def device_flow_record(device: Device, *, now: float | None = None) -> None:
     """Remember that a command went to the device now (newest first)."""
-    if not _limited(device):
+    if not device_flow_limited(device):
         return
     key = _key(device)
     with redis_connection().pipeline(transaction=False) as pipe:

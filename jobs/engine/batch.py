@@ -61,6 +61,7 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from devices import protocol
+from devices.flow import device_flow_limited
 from devices.lock_recovery import locks_rebuild
 from devices.locks import (
     Grant,
@@ -309,7 +310,7 @@ def _rows_start(step_run_ids: list[int]) -> None:
     rows = [row for row in rows if row.status == StepStatus.QUEUED and row.run.status in RUN_ACTIVE]
     general, batched = [], []
     for row in rows:
-        flow = row.device_id is not None and (row.device.min_interval_seconds or row.device.max_per_minute)
+        flow = row.device_id is not None and device_flow_limited(row.device)
         (general if row.device_id is None or flow or not row_batched(row) else batched).append(row)
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict

@@ -43,6 +43,7 @@ from uuid import UUID
 from django.db.models import Model
 
 from devices import protocol
+from devices.flow import device_flow_limited
 from devices.locks import Grant, LockBatch, NotReady, Queued
 from devices.models import Device
 
@@ -54,6 +55,7 @@ from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .kinds import row_batched, row_commanded, row_ended_handler, spec_behaviour
 from .plan import (
+    RUN_ACTIVE,
     holder_step_id,
     lease_seconds,
     step_answerer,
@@ -283,7 +285,7 @@ def _kind_planned(row: StepRun) -> bool:
 
 
 # Runs a cancel ends.
-RUN_CANCELABLE = (RunStatus.PENDING, RunStatus.RUNNING, RunStatus.COMPENSATING)
+RUN_CANCELABLE = (RunStatus.PENDING, *RUN_ACTIVE)
 CANCEL_FIELDS = ["status", "error", "finished_at"]
 
 
@@ -457,7 +459,7 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
             args = step_args(run, spec["args"], device) if device is not None else None
         except templating.TemplateError:
             args = None
-        if args is None or not device.enabled or device.min_interval_seconds or device.max_per_minute:
+        if args is None or not device.enabled or device_flow_limited(device):
             plan.later_add("enter", run=run, index=run.cursor)
             continue
         row = StepRun(
@@ -536,9 +538,8 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
         if (
             row is None
             or row.status != StepStatus.QUEUED
-            or row.run.status not in (RunStatus.RUNNING, RunStatus.COMPENSATING)
-            or row.device.min_interval_seconds
-            or row.device.max_per_minute
+            or row.run.status not in RUN_ACTIVE
+            or device_flow_limited(row.device)
             or not row_batched(row)
         ):
             plan.later_add("dispatch", step_run_id=step_id, fence=grant.fence)
