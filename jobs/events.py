@@ -112,29 +112,41 @@ def event_record_sampled(kind: str, *, device: str, **fields: Any) -> RunEvent |
     its kind from `device` in a window, then at each power of ten (saying how many came);
     always counted. How it fails: without Redis every one is recorded."""
     try:
-        count = _sampled_count(kind, device)
+        (count,) = sampled_counts([(kind, device)])
     except RedisError:
         count = 1
-    if count <= EVENTS_SAMPLED_FIRST or _power_of_ten(count):
-        if count > EVENTS_SAMPLED_FIRST:
-            fields["message"] = (
-                f"{fields.get('message', '')} (the {count}th {kind} from {device} within "
-                f"{EVENTS_SAMPLED_WINDOW} s; only the first {EVENTS_SAMPLED_FIRST}, then every power "
-                "of ten, are recorded)"
-            )
-            fields["sampled_count"] = count
-        return event_record(kind, device=device, **fields)
+    kept = sampled_fields(kind, device, count, fields)
+    if kept is not None:
+        return event_record(kind, device=device, **kept)
     transaction.on_commit(event_metrics(kind, fields.get("step_run")).send)
     return None
 
 
-def _sampled_count(kind: str, device: str) -> int:
+def sampled_fields(kind: str, device: str, count: int, fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The fields of the `count`th sampled `kind` from `device` in its window, recorded
+    (with a note when past the first few); None when it is only counted."""
+    if count <= EVENTS_SAMPLED_FIRST:
+        return fields
+    if not _power_of_ten(count):
+        return None
+    return {
+        **fields,
+        "message": f"{fields.get('message', '')} (the {count}th {kind} from {device} within "
+        f"{EVENTS_SAMPLED_WINDOW} s; only the first {EVENTS_SAMPLED_FIRST}, then every power "
+        "of ten, are recorded)",
+        "sampled_count": count,
+    }
+
+
+def sampled_counts(pairs: list[tuple[str, str]]) -> list[int]:
+    """Count one more of each (kind, device) in its window, in one round trip."""
     with redis_connection().pipeline(transaction=False) as pipe:
-        key = redis_key("events-sampled", kind, device)
-        pipe.incr(key)
-        pipe.expire(key, EVENTS_SAMPLED_WINDOW, nx=True)
-        count, _ = pipe.execute()
-    return int(count)
+        for kind, device in pairs:
+            key = redis_key("events-sampled", kind, device)
+            pipe.incr(key)
+            pipe.expire(key, EVENTS_SAMPLED_WINDOW, nx=True)
+        answers = pipe.execute()
+    return [int(count) for count in answers[::2]]
 
 
 def _power_of_ten(count: int) -> bool:
@@ -179,10 +191,34 @@ class EventLog:
         self.events: list[RunEvent] = []
         self.written: list[RunEvent] = []
         self.metrics = MetricsBatch()
+        # What a device may repeat at will (stale, unknown, foreign replies; extensions):
+        # kept until `sampled_decide` counts them and records those `sampled_fields` keeps.
+        self.sampled: list[tuple[str, str, dict[str, Any]]] = []
 
     def add(self, kind: str, **fields: Any) -> None:
         self.events.append(event_new(kind, **fields))
         self.metrics.extend(event_metrics(kind, fields.get("step_run")))
+
+    def add_sampled(self, kind: str, *, device: str, **fields: Any) -> None:
+        """An event as `event_record_sampled` records it, decided by `sampled_decide`."""
+        self.sampled.append((kind, device, fields))
+
+    def sampled_decide(self) -> None:
+        """Count the sampled events in one round trip and add those kept (every one when
+        Redis does not answer); the others are only counted on /metrics."""
+        if not self.sampled:
+            return
+        sampled, self.sampled = self.sampled, []
+        try:
+            counts = sampled_counts([(kind, device) for kind, device, _ in sampled])
+        except RedisError:
+            counts = [1] * len(sampled)
+        for (kind, device, fields), count in zip(sampled, counts, strict=True):
+            kept = sampled_fields(kind, device, count, fields)
+            if kept is not None:
+                self.add(kind, device=device, **kept)
+            else:
+                self.metrics.extend(event_metrics(kind, fields.get("step_run")))
 
     def insert(self, writes: Writes) -> None:
         """Queue the events gathered so far in `writes` (one INSERT, sent when the caller

@@ -464,7 +464,7 @@ class StepRun(models.Model):
     deadline = models.DateTimeField(_("deadline"), null=True, blank=True)
     progress = models.PositiveSmallIntegerField(_("progress"), null=True, blank=True)
     # What the device said last and how often: progress of an attempt is kept here, and
-    # only its first few messages are also timeline events (jobs/engine/reply.py).
+    # only its first few messages are also timeline events (jobs/engine/progress.py).
     progress_detail = models.CharField(
         _("progress detail"),
         max_length=500,

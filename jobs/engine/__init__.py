@@ -5,9 +5,10 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
     batch.py     replies that arrived together, applied in one transaction and one Redis
                  call: end the attempts, move the runs on, start and dispatch the next
                  steps, hand freed devices to their next waiters, then publish
-    planner.py   what such a batch decides (run starts, replies, due deadlines), as a
-                 plan of writes, lock operations, deadlines and commands; no I/O
-    reply.py     the general path for one reply (unknown, foreign, stale replies)
+    planner.py   what such a batch decides (run starts, every reply, due deadlines,
+                 cancels), as a plan of writes, lock operations, deadlines and
+                 commands; no I/O
+    progress.py  what a step row keeps of an ack or progress, and which are events
     runs.py      continuing runs: a step row's outcome moves its run on, rolls it back or
                  ends it (row owners and failure policies: kinds.py)
     attempts.py  ending an attempt: succeeded, retrying (back-off), failed, timed out

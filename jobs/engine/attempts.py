@@ -8,7 +8,7 @@ exponential, jittered back-off held in the deadline set (never a Celery countdow
 otherwise the step row ends. Whatever ended the attempt, the device lock is passed on to
 the next waiter. Moving the run on after a row ended for good is the next stage
 (jobs/engine/runs.py). While an attempt is in flight its device may push its deadline
-out (`attempt_extend`), up to the step's maximum.
+out (`attempt_extension`), up to the step's maximum.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from devices.locks import device_lock_dequeue, device_lock_extend, device_lock_pass_on
+from devices.locks import device_lock_dequeue, device_lock_pass_on
 
 from ..choices import DEFAULT_MAX_EXTEND_SECONDS
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
@@ -168,18 +168,25 @@ def step_queue_timeout(*, step_run: StepRun) -> bool:
     return True
 
 
-def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: datetime) -> bool:
-    """Push the in-flight attempt's deadline out to `seconds` from now (progress extend_seconds).
+@dataclass(frozen=True)
+class Extension:
+    """What a device's `extend_seconds` does to its in-flight attempt: the attempt's new
+    `deadline` and the device lock's new `lease_seconds`, or why it is `refused`."""
 
-    Bounded per step: the deadline may end at most `max_extend_seconds` after the one the
-    attempt was dispatched with; a request past that is refused (`step.extend_refused`) and
-    the deadline stays. The row is the authority: the compare-and-set requires the attempt
-    still in flight with its deadline not yet passed, so an extension that arrives after the
-    deadline fired (or with the `done` claim already under way) changes nothing
-    (`reply.stale`). Then the Redis `done` deadline and the device lock's lease are moved
-    with it, so neither the monitor nor lease expiry ends the attempt early. False when
-    nothing changed. A deadline is never moved earlier.
-    """
+    deadline: datetime | None = None
+    lease_seconds: float = 0.0
+    refused: str = ""
+    maximum: float = 0.0
+
+
+def attempt_extension(step_run: StepRun, *, seconds: float, now: datetime) -> Extension:
+    """Decide (without writing) how `extend_seconds` moves the in-flight attempt's deadline:
+    out to `seconds` from now, never earlier. Bounded per step: the deadline may end at most
+    `max_extend_seconds` after the one the attempt was dispatched with; a request past that
+    is refused and the deadline stays. The planner (jobs/engine/planner.py) writes it as a
+    compare-and-set that requires the attempt still in flight, and moves the Redis `done`
+    deadline and the lock's lease with it, so neither the monitor nor lease expiry ends the
+    attempt early."""
     spec = step_spec(step_run)
     maximum = spec.get("max_extend_seconds", DEFAULT_MAX_EXTEND_SECONDS)
     original = step_run.dispatched_at + timedelta(seconds=spec["timeout_seconds"])
@@ -187,44 +194,7 @@ def attempt_extend(*, step_run: StepRun, command_id: str, seconds: float, now: d
     beyond = (deadline - original).total_seconds()
     refused = row_behaviour(step_run).extend_refused
     if refused or beyond > maximum:
-        why = (
-            refused
-            or f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s"
-        )
-        event_record_sampled(
-            "step.extend_refused",
-            device=step_run.device_name,
-            step_run=step_run,
-            message=f"asked for {seconds:g}s more; {why}; deadline unchanged",
-            extend_seconds=seconds,
-            max_extend_seconds=maximum,
-        )
-        return False
-    moved = StepRun.objects.filter(
-        pk=step_run.pk, command_id=command_id, status__in=STEP_IN_FLIGHT, deadline__gt=now
-    ).update(deadline=deadline)
-    if not moved:
-        event_record_sampled(
-            "reply.stale",
-            device=step_run.device_name,
-            step_run=step_run,
-            message="extend_seconds after the attempt's deadline",
-        )
-        return False
-    step_run.deadline = deadline
-    deadlines_set({Deadline.of("done", step_run): deadline})
-    device_lock_extend(
-        step_run.device.name,
-        holder=step_holder(step_run),
-        fence=step_run.fence,
-        lease_seconds=(deadline - now).total_seconds() + LEASE_GRACE_SECONDS,
-    )
-    event_record_sampled(
-        "step.extended",
-        device=step_run.device_name,
-        step_run=step_run,
-        message=f"deadline moved to {deadline.isoformat()} (+{seconds:g}s asked)",
-        extend_seconds=seconds,
-        deadline=deadline.isoformat(),
-    )
-    return True
+        past = f"that is {beyond:.0f}s past the attempt's original deadline, the step allows {maximum}s"
+        return Extension(refused=refused or past, maximum=maximum)
+    lease = (deadline - now).total_seconds() + LEASE_GRACE_SECONDS
+    return Extension(deadline=deadline, lease_seconds=lease, maximum=maximum)

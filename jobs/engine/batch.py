@@ -29,18 +29,20 @@ The decisions of stages 1 to 4 are planner.py's (they build a `Plan`, without I/
 the commit) and publishes (stage 5, batch_publish.py). Due `ack`, `done` and `retry`
 deadlines are applied the same way (`deadlines_apply`).
 
-Anything else is handed, after the commit, to the general one-at-a-time path: a reply
-that matches no current attempt (reply.py records it as stale, unknown or foreign), a
-run that rolls back, a fan-out or compensation row, a next step of another kind, a
-device with flow control.
+Every reply and run start is planned: a reply that matches no current attempt is recorded
+(sampled per device) as stale, unknown or foreign; a start of a running run resumes the
+step at its cursor. What a plan leaves, after the commit, to the one-at-a-time path is a
+run that rolls back, a fan-out or compensation row, a next step of another kind, a device
+with flow control.
 
 How it fails: each write is a compare-and-set whose count is checked. If another
 transition moved a row first (a cancel, a timeout, a duplicate reply in another batch),
 the transaction rolls back before any Redis write and the batch is applied again from a
 fresh read (CONFLICT_RETRIES times; when the conflict is a next row another transition
 made first, found by the insert after the lock call, the lock call is undone first): the
-moved row's reply is then no longer current and goes the general way, the others still
-apply together. A batch that keeps conflicting is applied one reply at a time. A database
+moved row's reply is then no longer current (recorded as stale), the others still apply
+together. A batch that keeps conflicting is applied as batches of one, and a batch of one
+that keeps conflicting is raised (BatchRetry) for the task to run again. A database
 error after the Redis call rolls the transaction back: the new rows' lock requests are
 withdrawn, devices already handed on are dispatched the general way, and the error is
 raised so the task runs again (the ended attempts are still in flight in the database, so
@@ -57,6 +59,7 @@ from collections.abc import Callable
 from functools import partial
 
 from django.db import IntegrityError, InterfaceError, OperationalError
+from django.db.models import Q
 from django.utils import timezone
 from redis.exceptions import RedisError
 
@@ -76,16 +79,15 @@ from devices.models import Device
 from ..deadlines import Deadline, deadlines_key
 from ..events import event_record
 from ..inbox import Work
-from ..models import JobRun, RunStatus, StepRun, StepStatus
+from ..models import JobRun, Phase, RunStatus, StepRun, StepStatus
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
 from .dispatch import cancel_command_send, step_acquire, step_dispatch
 from .kinds import row_batched
-from .plan import RUN_ACTIVE, step_holder
+from .plan import RUN_ACTIVE, command_id_step, step_holder
 from .planner import Plan, RowWrite
-from .reply import step_reply
-from .runs import run_advance, run_continue, run_finish, run_step_done, run_step_enter
+from .runs import run_continue, run_finish, run_step_done, run_step_enter
 
 log = logging.getLogger(__name__)
 
@@ -189,35 +191,56 @@ def transition_apply(
     reply at a time. With `last`, the batch's last Redis writes are added to it, for the
     caller to send with commands of its own; without, the transition sends them.
     """
-    rows = {}
+    rows, earlier = {}, {}
     if replies:
         command_ids = {reply.command_id for _, reply in replies}
         rows = {
             s.command_id: s
             for s in rows_select(StepRun, "command_id", command_ids, related=("run", "device"))
         }
+        # The rows that replies to no current command name (stale or unknown): rare.
+        named = {command_id_step(c) for c in command_ids - rows.keys()} - {None}
+        if named:
+            earlier = {s.pk: s for s in rows_select(StepRun, "id", named, related=("device",))}
     runs = {run.pk: run for run in rows_select(JobRun, "id", starts)} if starts else {}
+    at_cursor = _rows_at_cursor([run for run in runs.values() if run.status == RunStatus.RUNNING])
     batch = _Batch(rows)
     batch.last = last
 
     def prepare() -> None:
-        planner.runs_begin(batch.plan, runs, list(starts))
-        planner.replies_plan(batch.plan, rows, list(replies))
+        planner.runs_begin(batch.plan, runs, list(starts), at_cursor)
+        planner.replies_plan(batch.plan, rows, list(replies), earlier)
         planner.runs_continue(batch.plan)
 
     def one_at_a_time() -> None:
+        # Batches of one: the same plan, each from its own fresh read.
         for run_id in starts:
-            _safely(partial(run_advance, run_id=run_id))
-        for device, reply in replies:
-            _safely(partial(step_reply, device=device, reply=reply))
+            transition_apply(starts=[run_id], last=last)
+        for item in replies:
+            transition_apply(replies=[item], last=last)
 
     def again() -> None:
         transition_apply(replies=replies, starts=starts, last=last, retries=retries - 1)
 
+    def given_up() -> None:
+        raise BatchRetry(f"a batch of one kept conflicting ({replies or starts})")
+
     if retries > 0:
         _transition(batch, prepare, again, "applying it again from a fresh read")
-    else:
+    elif len(replies) + len(starts) > 1:
         _transition(batch, prepare, one_at_a_time, "applying one at a time")
+    else:
+        _transition(batch, prepare, given_up, "the task runs again")
+
+
+def _rows_at_cursor(runs: list[JobRun]) -> dict:
+    """The step rows at the cursor of running runs, by run (a start again resumes them)."""
+    if not runs:
+        return {}
+    at = Q()
+    for run in runs:
+        at |= Q(run_id=run.pk, phase=Phase.FORWARD, index=run.cursor)
+    return {row.run_id: row for row in StepRun.objects.filter(at).select_related("device")}
 
 
 def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIES) -> list[Deadline]:
@@ -382,8 +405,6 @@ def run_step_done_failed(*, run: JobRun, index: int, status: str, error: str) ->
 
 # What a plan's `Later` entries run after the commit (planner.Later.what -> the function).
 LATER_WORK: dict[str, Callable[..., None]] = {
-    "reply": step_reply,
-    "advance": run_advance,
     "continue": run_continue,
     "enter": run_step_enter,
     "dispatch": step_dispatch,
@@ -473,6 +494,7 @@ class _Batch(BatchPublish):
         self._queue_planned()
         self.writes.insert(StepRun, self.plan.new_rows)
         self._queue(planner.dispatches_writes(self.plan))
+        self.events.sampled_decide()
         self.events.insert(writes=self.writes)
         try:
             self.writes.send(last=True)
@@ -492,8 +514,10 @@ class _Batch(BatchPublish):
         """The transaction failed after the lock call: withdraw what it asked for."""
         for index, outcome in enumerate(self.outcomes):
             try:
-                if index in self.plan.dequeues:
-                    continue  # its row stays queued: the monitor's sweep asks for the lock again
+                if index in self.plan.dequeues or index in self.plan.extends:
+                    # A row left queued: the monitor's sweep asks for the lock again; an
+                    # extended lease runs out on its own.
+                    continue
                 if index in self.plan.releases:
                     if outcome is not None:
                         device_lock_handoff(self.plan.releases[index].device.name, outcome)

@@ -10,8 +10,13 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 | ------------------------- | --------------------------------- | ------------------------------------ |
 | run start `runs_begin`    | the run rows                      | run compare-and-set, `run.started`,  |
 |                           |                                   | the run's max_duration deadline      |
+| start of a running run    | the row at its cursor             | the row named, or its lock asked     |
+| `runs_begin`              |                                   | again (still queued)                 |
 | ack, progress             | the step row its command id names | row compare-and-set (in progress,    |
 | `replies_plan`            |                                   | progress), ack/send deadlines gone   |
+| extend_seconds            | the same                          | deadline compare-and-set, `done`     |
+|                           |                                   | deadline and lease moved             |
+| stale, unknown, foreign   | the row the id names, if any      | a sampled event (`add_sampled`)      |
 | done `replies_plan`       | the same                          | attempt end (`attempt_outcome`),     |
 |                           |                                   | lock release and hand-on, deadlines  |
 | due ack, done `dues_plan` | the step row the deadline names   | as a failed, retryable done          |
@@ -25,12 +30,11 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 | lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
 | hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
 
-What a plan cannot decide (a reply that matches no current attempt, a rollback, a fan-out
-or compensation row, another step kind, flow control, a holder that is no step) is a
-`Later`: one-at-a-time work the executor runs after the commit (jobs/engine/reply.py,
-runs.py, dispatch.py). Every row write is a compare-and-set (`RowWrite`): when another
-transition moved a row first, the executor's transaction rolls back and the batch is
-planned again from a fresh read.
+What a plan cannot decide (a rollback, a fan-out or compensation row, another step kind,
+flow control, a holder that is no step) is a `Later`: one-at-a-time work the executor runs
+after the commit (jobs/engine/runs.py, dispatch.py). Every row write is a compare-and-set
+(`RowWrite`): when another transition moved a row first, the executor's transaction rolls
+back and the batch is planned again from a fresh read.
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ from .. import templating
 from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
 from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
-from .attempts import Outcome, attempt_deadlines, attempt_outcome
+from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .kinds import row_batched, row_commanded, row_ended_handler, spec_behaviour
 from .plan import (
     RUN_ACTIVE,
+    command_id_step,
     holder_step_id,
     lease_seconds,
     step_answerer,
@@ -64,7 +69,7 @@ from .plan import (
     step_spec,
     step_target_name,
 )
-from .reply import PROGRESS_FIELDS, progress_keep
+from .progress import PROGRESS_FIELDS, progress_keep
 from .runs import run_next, step_error
 
 # Fields a plan writes, per kind of row write.
@@ -124,6 +129,7 @@ class Plan:
     locks: LockBatch = field(default_factory=LockBatch)
     releases: dict[int, StepRun] = field(default_factory=dict)  # lock op index -> ended row
     dequeues: set[int] = field(default_factory=set)  # lock op indexes: rows leaving a queue
+    extends: set[int] = field(default_factory=set)  # lock op indexes: leases extended
     acquires: dict[int, tuple[StepRun, Attempt]] = field(default_factory=dict)  # op -> new row
     acks: dict[int, StepRun] = field(default_factory=dict)
     ended: list[tuple[StepRun, Outcome]] = field(default_factory=list)
@@ -157,19 +163,24 @@ class Plan:
 # --- 1. inputs: run starts, replies, due deadlines ---------------------------------
 
 
-def runs_begin(plan: Plan, runs: dict[UUID, JobRun], run_ids: list[str]) -> None:
-    """Pending runs start (running, their first step next); a run in any other state is
-    advanced the general way (a running run restarts at its cursor: a redelivered start, or
-    the monitor's sweep)."""
-    pending = []
+def runs_begin(
+    plan: Plan, runs: dict[UUID, JobRun], run_ids: list[str], at_cursor: dict[UUID, StepRun]
+) -> None:
+    """Pending runs start (running, their first step next). A running run's start again (a
+    redelivered start, the monitor's sweep) resumes the step at its cursor: its row is
+    named if it has none (`at_cursor` holds the rows read there), asks for its device's
+    lock again if it is still queued, and is left alone otherwise; another kind of step
+    starts the general way. A run in any other state stays as it is."""
+    pending, seen = [], set()
     for run_id in run_ids:
         run = runs.get(UUID(str(run_id)))
-        if run is None:
+        if run is None or run.pk in seen:
+            continue
+        seen.add(run.pk)
+        if run.status == RunStatus.RUNNING:
+            _run_resume(plan, run, at_cursor.get(run.pk))
             continue
         if run.status != RunStatus.PENDING:
-            plan.later_add("advance", run_id=str(run_id))
-            continue
-        if run in pending:
             continue
         run.status, run.started_at = RunStatus.RUNNING, plan.now
         if run.max_duration:
@@ -184,24 +195,51 @@ def runs_begin(plan: Plan, runs: dict[UUID, JobRun], run_ids: list[str]) -> None
     plan.write(JobRun, pending, fields, status_in=(RunStatus.PENDING,), conflict="a run started meanwhile")
 
 
-def replies_plan(plan: Plan, rows: dict[str, StepRun], replies: list[tuple[str, protocol.Reply]]) -> None:
-    """Replies to current attempts: acks and progress mark them in progress, a done ends
-    its attempt (the first done of a batch for a command; a second is stale). The rest (no
-    such attempt, another device's, an extension) goes the general way."""
+def _run_resume(plan: Plan, run: JobRun, row: StepRun | None) -> None:
+    if run.cursor >= len(run.plan) or not spec_behaviour(run.plan[run.cursor]).batched_start:
+        plan.later_add("enter", run=run, index=run.cursor)
+    elif row is None:
+        plan.starting.append(run)
+    elif row.status == StepStatus.QUEUED:
+        row.run = run
+        if device_flow_limited(row.device):
+            plan.later_add("enter", run=run, index=run.cursor)
+        else:
+            row_acquire(plan, row)
+
+
+def replies_plan(
+    plan: Plan,
+    rows: dict[str, StepRun],
+    replies: list[tuple[str, protocol.Reply]],
+    earlier: dict[int, StepRun] | None = None,
+) -> None:
+    """Every reply of the batch. To a current attempt, an ack or progress marks it in
+    progress (`extend_seconds` pushes its deadline out), a done ends it (the first done of
+    a batch for a command; a second is stale). Anything else is recorded, sampled: a reply
+    to an attempt that ended or an earlier attempt (`earlier`: the rows the unmatched
+    command ids name) is stale, one to no step's command unknown, one to a command of
+    another device foreign."""
     dones: list[tuple[StepRun, dict]] = []
     ending: set[str] = set()
+    extended: dict[int, StepRun] = {}
     for device, reply in replies:
         row = rows.get(reply.command_id)
-        current = (
-            row is not None
-            and row.device_id is not None
-            and row.device.name == device
-            and row.status in STEP_IN_FLIGHT
-            and reply.command_id not in ending
-        )
-        if not current or reply.extend_seconds:
-            # An extension moves a deadline and a lease: rare, so the general path has it.
-            plan.later_add("reply", device=device, reply=reply)
+        if row is None:
+            _unmatched(plan, (earlier or {}).get(command_id_step(reply.command_id)), device, reply)
+        elif row.device_name != device:
+            # A task step's outcome comes from its device's name, or "" without one.
+            plan.events.add_sampled(
+                "reply.foreign_device",
+                step_run=row,
+                device=device,
+                message=f"{device} answered a command of {row.device_name or 'no device'}; ignored",
+            )
+        elif row.status not in STEP_IN_FLIGHT or reply.command_id in ending:
+            ended = "outcome for" if reply.kind == "done" else f"{reply.kind} after"
+            plan.events.add_sampled(
+                "reply.stale", device=device, step_run=row, message=f"{ended} an attempt that already ended"
+            )
         elif reply.kind == "done":
             ending.add(reply.command_id)
             how = {
@@ -214,12 +252,77 @@ def replies_plan(plan: Plan, rows: dict[str, StepRun], replies: list[tuple[str, 
             dones.append((row, how))
         else:
             _ack(plan, row, reply)
+            if reply.extend_seconds and _extend(plan, row, reply.extend_seconds):
+                extended[row.pk] = row
     ending_ids = {row.pk for row, _ in dones}
     acked = [row for pk, row in plan.acks.items() if pk not in ending_ids]
     plan.write(
         StepRun, acked, ACK_FIELDS, status_in=STEP_IN_FLIGHT, conflict="an acked attempt ended meanwhile"
     )
+    plan.write(
+        StepRun,
+        [row for pk, row in extended.items() if pk not in ending_ids],
+        ["deadline"],
+        status_in=STEP_IN_FLIGHT,
+        match="command_id",
+        conflict="an extended attempt ended meanwhile",
+    )
     attempts_end(plan, dones)
+
+
+def _unmatched(plan: Plan, row: StepRun | None, device: str, reply: protocol.Reply) -> None:
+    """A reply whose id is no step's current command: late (an earlier attempt) or unknown."""
+    if row is not None and row.device_name == device:
+        plan.events.add_sampled(
+            "reply.stale",
+            device=device,
+            step_run=row,
+            message=f"{reply.kind} for an earlier attempt ({reply.command_id}); ignored",
+            reply_id=reply.command_id,
+        )
+        return
+    plan.events.add_sampled(
+        "reply.unknown", device=device, message=f"{reply.kind} for unknown command {reply.command_id}"
+    )
+
+
+def _extend(plan: Plan, row: StepRun, seconds: float) -> bool:
+    """The device asks for more time (`attempt_extension`); True when its deadline moved."""
+    extension = attempt_extension(row, seconds=seconds, now=plan.now)
+    if extension.deadline is None:
+        plan.events.add_sampled(
+            "step.extend_refused",
+            device=row.device_name,
+            step_run=row,
+            message=f"asked for {seconds:g}s more; {extension.refused}; deadline unchanged",
+            extend_seconds=seconds,
+            max_extend_seconds=extension.maximum,
+        )
+        return False
+    if row.deadline is not None and row.deadline <= plan.now:
+        plan.events.add_sampled(
+            "reply.stale",
+            device=row.device_name,
+            step_run=row,
+            message="extend_seconds after the attempt's deadline",
+        )
+        return False
+    row.deadline = extension.deadline
+    plan.zset_add({Deadline.of("done", row): row.deadline})
+    if row.device_id is not None:
+        op = plan.locks.extend(
+            row.device.name, holder=step_holder(row), fence=row.fence, lease_seconds=extension.lease_seconds
+        )
+        plan.extends.add(op)
+    plan.events.add_sampled(
+        "step.extended",
+        device=row.device_name,
+        step_run=row,
+        message=f"deadline moved to {row.deadline.isoformat()} (+{seconds:g}s asked)",
+        extend_seconds=seconds,
+        deadline=row.deadline.isoformat(),
+    )
+    return True
 
 
 def _ack(plan: Plan, row: StepRun, reply: protocol.Reply) -> None:
@@ -382,8 +485,9 @@ def attempts_end(plan: Plan, ending: list[tuple[StepRun, dict]]) -> None:
         cleared, retry = attempt_deadlines(row, outcome)
         plan.zset_remove(cleared)
         plan.zset_add(retry)
-        index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
-        plan.releases[index] = row
+        if row.device_id is not None:  # a task step may have no device, and no lock
+            index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
+            plan.releases[index] = row
         plan.ended.append((row, outcome))
     plan.write(
         StepRun,
@@ -507,7 +611,7 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
             if outcome is not None:
                 plan.handed.append((plan.releases[index].device.name, outcome))
             continue
-        if index in plan.dequeues:
+        if index in plan.dequeues or index in plan.extends:
             continue
         row, attempt = plan.acquires[index]
         if isinstance(outcome, Grant):

@@ -14,13 +14,9 @@ Run:   pending -> running -> succeeded | failed | timed_out | canceled
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
-from functools import partial
 
-from django.db import transaction
 from django.utils import timezone
 
-from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, OnFailure, RunStatus, StepRun, StepStatus
 from .attempts import attempt_end
@@ -30,25 +26,6 @@ from .start import StepRefused, step_start
 
 # Statuses a final step outcome maps to on the run when the step's policy aborts it.
 RUN_STATUS_FOR_STEP = {StepStatus.TIMED_OUT: RunStatus.TIMED_OUT}
-
-
-@transaction.atomic
-def run_advance(*, run_id: str) -> None:
-    """Start a pending run, or (re)start the step at a running run's cursor (idempotent)."""
-    run = JobRun.objects.get(pk=run_id)
-    if run.status == RunStatus.PENDING:
-        now = timezone.now()
-        deadline = now + timedelta(seconds=run.max_duration) if run.max_duration else None
-        if JobRun.objects.filter(pk=run.pk, status=RunStatus.PENDING).update(
-            status=RunStatus.RUNNING, started_at=now, deadline=deadline
-        ):
-            run.status, run.started_at, run.deadline = RunStatus.RUNNING, now, deadline
-            event_record("run.started", run=run, message=f"{len(run.plan)} steps")
-            if deadline is not None:
-                # After the commit: a deadline that fired before it would find the run pending.
-                transaction.on_commit(partial(deadlines_set, {Deadline("run", str(run.pk), 0): deadline}))
-    if run.status == RunStatus.RUNNING:
-        run_step_enter(run=run, index=run.cursor)
 
 
 def run_step_enter(*, run: JobRun, index: int) -> None:

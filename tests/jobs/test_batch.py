@@ -147,9 +147,42 @@ def test_a_conflict_applies_the_batch_again_and_the_other_replies_still_go_toget
     assert (second["step"], second["id"]) == (1, step_a1.command_id)
 
 
-def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, manual_device, monkeypatch):
-    # given a step in flight, and batches that always find a row moved under them
+def test_a_batch_that_keeps_conflicting_is_applied_as_batches_of_one(stack, manual_device, monkeypatch):
+    # given a step in flight, and batches that find a row moved under them twice
     device, hand, run, first = two_steps_on_one_device(manual_device)
+    conflicts = []
+    runs_continue = engine_batch.planner.runs_continue
+
+    def moved_twice(plan):
+        if len(conflicts) < 1 + engine_batch.CONFLICT_RETRIES:
+            conflicts.append(1)
+            raise engine_batch.BatchConflict("a run moved meanwhile (injected)")
+        runs_continue(plan)
+
+    monkeypatch.setattr(engine_batch.planner, "runs_continue", moved_twice)
+
+    # when the device's ack and done come in one batch, for a caller that sends the last
+    # writes itself (the inbox, with its acknowledgement)
+    last = engine_batch.LastWrites()
+    ack = Reply(kind="ack", command_id=first["id"])
+    engine_batch.transition_apply(replies=[(device.name, ack), (device.name, done(first["id"]))], last=last)
+
+    # then, the batch and its retry rolled back, each reply was applied as a batch of its
+    # own, in order: the step went in progress, then succeeded, and the next command left
+    assert len(conflicts) == 1 + engine_batch.CONFLICT_RETRIES
+    step0 = StepRun.objects.get(run=run, index=0)
+    assert step0.status == StepStatus.SUCCEEDED
+    kinds = list(RunEvent.objects.filter(step_run=step0).order_by("id").values_list("kind", flat=True))
+    assert kinds[-2:] == ["step.in_progress", "step.succeeded"], kinds
+    second = hand.next_command()
+    assert (second["step"], second["id"]) == (1, StepRun.objects.get(run=run, index=1).command_id)
+
+
+def test_a_batch_of_one_that_keeps_conflicting_is_raised_for_the_task_to_run_again(
+    stack, manual_device, monkeypatch
+):
+    # given a step in flight, and batches that always find a row moved under them
+    device, _hand, run, first = two_steps_on_one_device(manual_device)
     conflicts = []
 
     def always_moved(plan):
@@ -158,20 +191,18 @@ def test_a_batch_that_keeps_conflicting_is_applied_one_reply_at_a_time(stack, ma
 
     monkeypatch.setattr(engine_batch.planner, "runs_continue", always_moved)
 
-    # when the device's done is applied for a caller that sends the last writes itself (the
-    # inbox, with its acknowledgement)
+    # when the device's done is applied alone
     last = engine_batch.LastWrites()
-    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))], last=last)
+    with pytest.raises(engine_batch.BatchRetry):
+        engine_batch.transition_apply(replies=[(device.name, done(first["id"]))], last=last)
 
-    # then the batch was tried 1 + CONFLICT_RETRIES times, then the reply was applied on
-    # the general path, and the batches that rolled back left the caller nothing to write
-    # (no metrics of their events, no run deadlines)
+    # then it was tried 1 + CONFLICT_RETRIES times and raised (the inbox task runs again:
+    # BatchRetry is TRANSIENT); the batches that rolled back left nothing written and the
+    # caller nothing to send (no metrics of their events, no run deadlines)
     assert len(conflicts) == 1 + engine_batch.CONFLICT_RETRIES
+    assert engine_batch.BatchRetry in engine_batch.TRANSIENT
     assert not last
-    step0 = StepRun.objects.get(run=run, index=0)
-    assert step0.status == StepStatus.SUCCEEDED
-    second = hand.next_command()
-    assert (second["step"], second["id"]) == (1, StepRun.objects.get(run=run, index=1).command_id)
+    assert StepRun.objects.get(run=run, index=0).status == StepStatus.DISPATCHED
 
 
 def test_a_done_that_starts_the_next_step_costs_three_texts_on_postgresql(stack, manual_device):
@@ -393,3 +424,60 @@ def test_published_commands_have_their_send_deadlines_cleared_by_task_and_by_dir
     assert second["id"] == step1.command_id
     assert not send_pending(step1)
     assert "step.resent" not in kinds(run)
+
+
+def test_a_start_of_a_running_run_resumes_its_step_once(stack, manual_device):
+    # given a run whose step waits queued behind another run's step on a busy device
+    device, hand, blocking_run, first = two_steps_on_one_device(manual_device)
+    run, _ = run_start(template=template_with_steps((device, "later", {})))
+    queued = wait_for(
+        lambda: StepRun.objects.filter(run=run, index=0, status=StepStatus.QUEUED).first(),
+        what="the second run's step queued",
+    )
+    assert device_lock_state(device.name).queue == [f"step:{queued.pk}"]
+
+    # when its start is applied again, twice (a redelivered start, the monitor's sweep)
+    engine_batch.transition_apply(starts=[str(run.pk)])
+    engine_batch.transition_apply(starts=[str(run.pk)])
+
+    # then it is still one row, queued once in the device's queue
+    assert list(StepRun.objects.filter(run=run).values_list("pk", "status")) == [
+        (queued.pk, StepStatus.QUEUED)
+    ]
+    assert device_lock_state(device.name).queue == [f"step:{queued.pk}"]
+    assert kinds(run).count("run.started") == 1
+
+    # and once the device is free it is dispatched once, ahead of the first run's next
+    # step, which queued after it
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+    later = hand.next_command()
+    assert (later["run"], later["step"]) == (str(run.pk), 0)
+    engine_batch.transition_apply(replies=[(device.name, done(later["id"]))])
+    assert JobRun.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED
+    assert kinds(run).count("step.dispatched") == 1
+    assert hand.next_command()["run"] == str(blocking_run.pk)
+
+
+def test_an_extension_in_a_batch_moves_the_deadline_and_the_lease(stack, manual_device):
+    # given a step in flight on a device
+    device, _hand, run, first = two_steps_on_one_device(manual_device)
+    row = StepRun.objects.get(command_id=first["id"])
+    lease_before = device_lock_state(device.name).lease_until_ms
+
+    # when the device asks for 300 s more, and then for far more than the step allows
+    extend = Reply(kind="progress", command_id=first["id"], progress=10, extend_seconds=300)
+    engine_batch.transition_apply(replies=[(device.name, extend)])
+    moved = StepRun.objects.get(pk=row.pk)
+    too_much = Reply(kind="progress", command_id=first["id"], progress=20, extend_seconds=100_000)
+    engine_batch.transition_apply(replies=[(device.name, too_much)])
+
+    # then the first moved the row's deadline, its `done` deadline and the lock's lease out
+    # to about 300 s from now; the second was refused and changed nothing
+    assert (moved.deadline - row.deadline).total_seconds() > 200
+    due = Deadline.of("done", row)
+    score = lock_redis_connection().zscore(deadlines_key(due.shard), due.member)
+    assert abs(score / 1000 - moved.deadline.timestamp()) < 1
+    assert device_lock_state(device.name).lease_until_ms > lease_before + 200_000
+    assert StepRun.objects.get(pk=row.pk).deadline == moved.deadline
+    assert kinds(run).count("step.extended") == 1
+    assert kinds(run).count("step.extend_refused") == 1

@@ -11,7 +11,8 @@ import pytest
 from django.utils import timezone
 
 from devices.protocol import Reply
-from jobs.engine.reply import PROGRESS_EVENTS_PER_ATTEMPT, step_reply
+from jobs.engine.batch import transition_apply
+from jobs.engine.progress import PROGRESS_EVENTS_PER_ATTEMPT
 from jobs.events import EVENTS_SAMPLED_FIRST
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.retention import runs_prune
@@ -98,8 +99,9 @@ def test_events_of_no_run_are_pruned_sooner_than_runs(settings):
 def test_replies_that_answer_nothing_are_sampled_per_device_not_a_row_each():
     # given a device that sends 150 replies for commands nobody issued
     device = f"noisy-{uuid.uuid4().hex[:8]}"
-    for n in range(150):
-        step_reply(device=device, reply=Reply(kind="done", command_id=f"nope-{n}", ok=True))
+    transition_apply(
+        replies=[(device, Reply(kind="done", command_id=f"nope-{n}", ok=True)) for n in range(150)]
+    )
 
     # then the first ten and the hundredth are events, the last saying how many came
     events = list(RunEvent.objects.filter(kind="reply.unknown", device=device).order_by("id"))

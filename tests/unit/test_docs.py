@@ -281,7 +281,7 @@ def test_every_event_kind_named_is_recorded_by_the_code():
     for doc, kind in names_in_docs(EVENT_KIND):
         family, _, suffix = kind.partition(".")
         if any(_module_defines(path, suffix) for path in project_modules().get(family, [])):
-            continue  # `reply.step_reply`: a function of jobs/engine/reply.py, not a kind
+            continue  # `progress.progress_keep`: a function of jobs/engine/progress.py, not a kind
         literal = re.search(rf"[\"']{re.escape(kind)}[\"']", source)
         built = f'f"{family}.{{' in source and suffix in statuses
         # then the code records it, literally or from a status

@@ -16,7 +16,7 @@ from devices.models import Device
 from jobs.deadlines import Deadline
 from jobs.engine import planner
 from jobs.engine.plan import step_holder
-from jobs.models import JobRun, RunStatus, StepRun, StepStatus
+from jobs.models import JobRun, Phase, RunStatus, StepRun, StepStatus
 
 STEP_TERMINAL = {
     StepStatus.SUCCEEDED,
@@ -138,6 +138,7 @@ class World:
         self.locks = Locks()
         self.next_id = 1
         self.events: list = []
+        self.sampled: list[str] = []  # kinds of the sampled events planned
         self.inbox: dict[str, list[dict]] = {d: [] for d in DEVICES}  # commands received
         self.fences: dict[str, int] = {d: 0 for d in DEVICES}  # highest fence each device saw
         self.history: dict[int, list[str]] = {}
@@ -216,13 +217,11 @@ class World:
         self.events += plan.events.events
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
-        for later in plan.later:
-            # Left to the general path here, and changing nothing there: replies that answer
-            # no current attempt (recorded as stale, unknown or foreign), and the start of a
-            # run that is no longer pending (canceled before it started).
-            assert later.what == "reply" or (
-                later.what == "advance" and self.runs[UUID(later.args["run_id"])].status in RUN_TERMINAL
-            ), later
+        # Every input of this world (command steps only) is planned whole: nothing is left
+        # to the general path.
+        assert not plan.later, plan.later
+        # Replies that answer no current attempt: recorded, sampled (counted in Redis).
+        self.sampled += [kind for kind, _, _ in plan.events.sampled]
         assert not plan.rebuild
         if self.crash_next_publish:
             self.crash_next_publish = False  # the worker died after its commit
@@ -266,7 +265,14 @@ class World:
 
     def start(self, run_id) -> None:
         def prepare(plan):
-            planner.runs_begin(plan, {run_id: self.run_read(run_id)}, [str(run_id)])
+            run = self.run_read(run_id)
+            here = [
+                pk
+                for pk, r in self.rows.items()
+                if r.run_id == run_id and r.phase == Phase.FORWARD and r.index == run.cursor
+            ]
+            at_cursor = {run_id: self.row_read(here[0])} if here else {}
+            planner.runs_begin(plan, {run_id: run}, [str(run_id)], at_cursor)
             planner.runs_continue(plan)
 
         self.apply(prepare)

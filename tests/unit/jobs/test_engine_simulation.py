@@ -275,7 +275,7 @@ def test_a_done_and_its_duplicate_in_one_batch_end_the_attempt_once():
         )
     )
 
-    assert [later.what for later in plan.later] == ["reply"]  # the copy: stale, the general path
+    assert [kind for kind, _, _ in plan.events.sampled] == ["reply.stale"]  # the copy
     assert world.runs[run.pk].status == RunStatus.SUCCEEDED
     assert [e.kind for e in world.events].count("step.succeeded") == 1
 
