@@ -3,16 +3,13 @@ device's lock."""
 
 from __future__ import annotations
 
-from django.db import transaction
-
 from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
 
-from .engine.batch import run_cancel_apply, run_time_out_apply
+from .engine.batch import attempt_end_apply, run_cancel_apply, run_time_out_apply
 from .engine.dispatch import step_acquire
 from .engine.kinds import run_deadline
 from .engine.plan import holder_step_id
-from .engine.runs import attempt_end_continue
 from .events import event_record
 from .models import (
     STEP_IN_FLIGHT,
@@ -51,7 +48,6 @@ def run_time_out(run_id: str) -> None:
     run_time_out_apply(run_id)
 
 
-@transaction.atomic
 def lock_force_release(*, device: Device, by: str) -> str | None:
     """Take the lock from whoever holds it (audited); returns the holder it was taken from.
 
@@ -74,9 +70,7 @@ def lock_force_release(*, device: Device, by: str) -> str | None:
         fence=state.fence,
     )
     if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == state.fence:
-        attempt_end_continue(
-            step_run=step_run, command_id=step_run.command_id, ok=False, error=reason, retryable=True
-        )
+        attempt_end_apply(step_run.pk, fence=state.fence, error=reason)
         return state.holder
     device_lock_pass_on(device.name, holder=state.holder, fence=state.fence or 0, force=True)
     if step_run is not None and step_run.status == StepStatus.QUEUED:

@@ -13,16 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from django.db import transaction
 from django.db.models import Max
 
 from devices.lock_recovery import LockRecord
 from devices.locks import Grant, device_lock_pass_on
 
 from .deadlines import Deadline, deadlines_set
+from .engine.batch import attempt_end_apply
 from .engine.dispatch import step_acquire
 from .engine.plan import holder_step_id, lease_seconds, step_holder, step_spec
-from .engine.runs import attempt_end_continue
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepRun, StepStatus
 from .presence import step_resume
@@ -38,23 +37,16 @@ DEADLINE_KIND_FOR_STATUS = {
 }
 
 
-@transaction.atomic
 def step_lease_expired(device: str, grant: Grant) -> None:
-    """A holder's lease ran out: a step still executing ends its attempt; any other holder
-    (a step that never dispatched, a locked Celery task) is recorded and passed on."""
+    """A holder's lease ran out: a step still executing ends its attempt (one transition,
+    `attempt_end_apply`); any other holder (a step that never dispatched, a locked Celery
+    task) is recorded and passed on."""
     step_id = holder_step_id(grant.holder)
     step_run = StepRun.objects.select_related("run", "device").filter(pk=step_id).first()
     if step_run is not None and step_run.device_name != device:
         step_run = None  # the holder's row is gone and its id now names another step
     if step_run is not None and step_run.status in STEP_IN_FLIGHT and step_run.fence == grant.fence:
-        attempt_end_continue(
-            step_run=step_run,
-            command_id=step_run.command_id,
-            ok=False,
-            error="device lock lease expired",
-            retryable=True,
-            timed_out=True,
-        )
+        attempt_end_apply(step_run.pk, fence=grant.fence, error="device lock lease expired", timed_out=True)
         return
     event_record(
         "lock.reclaimed",

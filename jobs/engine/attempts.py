@@ -1,14 +1,14 @@
 """Ending an attempt: success, failure, rejection, retry or timeout, decided once per attempt.
 
-An attempt ends exactly once, by a compare-and-set on its command id and fence while the
-step is in flight: the device's `done` (a refusal, `rejected`, is never retried), a
-deadline (no ack / no done in time), an operator force-releasing the lock, or the lock's
-lease running out. A failed attempt with budget left goes to `retrying` with an
-exponential, jittered back-off held in the deadline set (never a Celery countdown);
-otherwise the step row ends. Whatever ended the attempt, the device lock is passed on to
-the next waiter. Moving the run on after a row ended for good is the next stage
-(jobs/engine/runs.py). While an attempt is in flight its device may push its deadline
-out (`attempt_extension`), up to the step's maximum.
+An attempt ends exactly once: the device's `done` (a refusal, `rejected`, is never
+retried), a deadline (no ack / no done in time), an operator force-releasing the lock, or
+the lock's lease running out. `attempt_outcome` decides how; the planner
+(jobs/engine/planner.py `attempts_end`) writes it as a compare-and-set on the command id
+while the step is in flight and releases the device lock to the next waiter. A failed
+attempt with budget left goes to `retrying` with an exponential, jittered back-off held in
+the deadline set (never a Celery countdown); otherwise the step row ends. While an attempt
+is in flight its device may push its deadline out (`attempt_extension`), up to the step's
+maximum. Also here: a step queued again after its back-off, or timed out in the queue.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
-from devices.locks import device_lock_dequeue, device_lock_pass_on
+from devices.locks import device_lock_dequeue
 
 from ..choices import DEFAULT_MAX_EXTEND_SECONDS
-from ..deadlines import Deadline, deadlines_clear, deadlines_set
-from ..events import event_record, event_record_sampled
-from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from ..deadlines import Deadline
+from ..events import event_record
+from ..models import StepRun, StepStatus
 from .dispatch import dispatch_if_holding, step_acquire
 from .kinds import row_behaviour
 from .plan import LEASE_GRACE_SECONDS, step_holder, step_spec
@@ -94,36 +93,6 @@ def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadlin
     cleared = [Deadline.of(kind, step_run) for kind in ATTEMPT_DEADLINES]
     retry = {Deadline.of("retry", step_run): outcome.changes["deadline"]} if outcome.retry else {}
     return cleared, retry
-
-
-def attempt_end(*, step_run: StepRun, command_id: str, **how: Any) -> bool:
-    """End the in-flight attempt `command_id` once, as `how` says (the arguments of
-    `attempt_outcome`: ok, result, error, retryable, rejected, timed_out); False when it had already
-    ended. The row is updated in memory too; the caller continues the run when the row
-    ended for good (status not `retrying`).
-    """
-    outcome = attempt_outcome(step_run, now=timezone.now(), **how)
-    with transaction.atomic():
-        ended = StepRun.objects.filter(
-            pk=step_run.pk, command_id=command_id, fence=step_run.fence, status__in=STEP_IN_FLIGHT
-        ).update(**outcome.changes)
-        if not ended:
-            event_record_sampled(
-                "reply.stale",
-                device=step_run.device_name,
-                step_run=step_run,
-                message="outcome for an attempt that already ended",
-            )
-            return False
-        for field, value in outcome.changes.items():
-            setattr(step_run, field, value)
-        event_record(f"step.{outcome.status}", step_run=step_run, message=outcome.message)
-    cleared, retry = attempt_deadlines(step_run, outcome)
-    deadlines_clear(cleared)
-    deadlines_set(retry)
-    if step_run.device_id:
-        device_lock_pass_on(step_run.device.name, holder=step_holder(step_run), fence=step_run.fence)
-    return True
 
 
 def step_requeue(*, step_run: StepRun) -> None:

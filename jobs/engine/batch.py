@@ -79,7 +79,7 @@ from devices.models import Device
 from ..deadlines import Deadline, deadlines_key
 from ..events import event_record
 from ..inbox import Work
-from ..models import JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
@@ -305,6 +305,37 @@ def _run_stop(run_id: str, plan_with, retries: int = CANCEL_RETRIES) -> bool:
 
     _transition(batch, prepare, again, "planning it again from a fresh read")
     return stopped[-1]
+
+
+def attempt_end_apply(step_run_id: int, *, fence: int, error: str, timed_out: bool = False) -> bool:
+    """End the attempt in flight under `fence` as a failure with budget for a retry (the
+    lock's lease ran out, an operator force-released the lock), as one transition: the
+    attempt ends as planner.attempts_end decides, its lock goes to the next waiter and the
+    run moves on as for a device's failed `done`. False when no attempt under that fence
+    was in flight (it ended, or the row moved on)."""
+    return _attempt_end(
+        step_run_id, fence, {"ok": False, "error": error, "retryable": True, "timed_out": timed_out}
+    )
+
+
+def _attempt_end(step_run_id: int, fence: int, how: dict, retries: int = CANCEL_RETRIES) -> bool:
+    rows = rows_select(StepRun, "id", [step_run_id], related=("run", "device"))
+    if not rows or rows[0].status not in STEP_IN_FLIGHT or rows[0].fence != fence:
+        return False
+    batch = _Batch({})
+    ended = [True]
+
+    def prepare() -> None:
+        planner.attempts_end(batch.plan, [(rows[0], how)])
+        planner.runs_continue(batch.plan)
+
+    def again() -> None:
+        if retries <= 0:
+            raise BatchRetry(f"ending the attempt of step {step_run_id} kept conflicting")
+        ended[:] = [_attempt_end(step_run_id, fence, how, retries - 1)]
+
+    _transition(batch, prepare, again, "planning it again from a fresh read")
+    return ended[-1]
 
 
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires

@@ -1,8 +1,10 @@
 """Due deadlines: what the monitor's claim of a deadline does, by kind (jobs/deadlines.py).
 
-Each kind has one handler, declared with `@kinds.deadline_handler` beside what it acts on:
-the attempt's kinds here, `wake` with the delay step (waits.py), `pump` with the fan-out
-(fanout.py). A step kind may take over every due deadline of its rows
+`ack` and `done` time an attempt out as a plan (jobs/engine/planner.py `dues_plan`: no
+handler), and so does `retry` for the rows a plan dispatches. Every other kind has one
+handler, declared with `@kinds.deadline_handler` beside what it acts on: `retry` of other
+rows, `send`, `queue` and `dispatch` here, `wake` with the delay step (waits.py), `pump`
+with the fan-out (fanout.py). A step kind may take over every due deadline of its rows
 (`@kinds.row_deadline`: a delay ends whatever found it due). A handler acts only if the
 step is still where the deadline expected it (same attempt, the status the deadline
 guards): a deadline that fires late, twice, or after its step moved on changes nothing.
@@ -15,43 +17,20 @@ from __future__ import annotations
 import logging
 
 from django.db import transaction
-from django.utils import timezone
 
-from ..deadlines import RUN_KINDS, Deadline, deadlines_set
-from ..models import STEP_IN_FLIGHT, StepRun, StepStatus
+from ..deadlines import RUN_KINDS, Deadline
+from ..models import StepRun, StepStatus
 from .attempts import step_queue_timeout, step_requeue
 from .batch import deadlines_apply
 from .dispatch import command_resend, dispatch_if_holding
 from .kinds import REGISTRY, deadline_handler
-from .plan import spec_kind, step_answerer, step_spec
-from .runs import attempt_end_continue, run_continue
+from .plan import spec_kind
+from .runs import run_continue
 
 
 @deadline_handler("send")
 def _send_due(step_run: StepRun, deadline: Deadline) -> None:
     command_resend(step_run=step_run, attempt=deadline.attempt)
-
-
-@deadline_handler("ack", "done")
-def _answer_due(step_run: StepRun, deadline: Deadline) -> None:
-    """No ack / no done in time: the attempt times out (retried if it has budget)."""
-    if step_run.status not in STEP_IN_FLIGHT:
-        return
-    if deadline.kind == "done" and step_run.deadline is not None and step_run.deadline > timezone.now():
-        # The device extended the attempt (progress extend_seconds) after this member was
-        # claimed or as it was: the row's deadline is the authority, so watch that one instead.
-        deadlines_set({Deadline.of(deadline.kind, step_run, deadline.attempt): step_run.deadline})
-        return
-    spec = step_spec(step_run)
-    waited = spec["ack_timeout_seconds"] if deadline.kind == "ack" else spec["timeout_seconds"]
-    attempt_end_continue(
-        step_run=step_run,
-        command_id=step_run.command_id,
-        ok=False,
-        error=f"no {deadline.kind} from {step_answerer(step_run)} within {waited}s",
-        retryable=True,
-        timed_out=True,
-    )
 
 
 @deadline_handler("retry")
@@ -82,9 +61,15 @@ def step_deadlines(deadlines: list[Deadline]) -> None:
     try:
         left = deadlines_apply(deadlines)
     except Exception:
-        # Each is applied on its own instead: one whose row moved meanwhile changes nothing.
+        # Each is applied on its own instead (a batch of one for those a plan decides): one
+        # whose row moved meanwhile changes nothing.
         log.exception("a batch of %d deadlines failed; applying them one at a time", len(deadlines))
-        left = deadlines
+        left = []
+        for deadline in deadlines:
+            try:
+                left += deadlines_apply([deadline])
+            except Exception:
+                log.exception("deadline %s failed; the database sweep will find its step again", deadline)
     for deadline in left:
         try:
             step_deadline(deadline=deadline)

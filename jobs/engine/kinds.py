@@ -28,6 +28,10 @@ from .plan import FANOUT, spec_kind, step_spec
 
 # Failure policies the run's continuation handles itself (jobs/engine/runs.py).
 BUILT_IN_POLICIES = (OnFailure.ABORT, OnFailure.CONTINUE)
+# Deadline kinds that time an attempt out: the planner decides them for every row
+# (jobs/engine/planner.py `dues_plan`), so they have no handler; a kind that takes its
+# rows' deadlines over (`row_deadline`) still gets them.
+ANSWER_DEADLINES = ("ack", "done")
 
 StepStarter = Callable[[JobRun, int], None]  # raises start.StepRefused
 RowEnded = Callable[[StepRun], None]
@@ -174,6 +178,11 @@ def row_commanded(step_run: StepRun) -> bool:
     return spec_kind(step_spec(step_run)) not in REGISTRY.attempt_senders
 
 
+def row_deadline_handler(step_run: StepRun) -> Callable | None:
+    """What every due deadline of the row does when its kind takes them over, or None."""
+    return REGISTRY.row_deadlines.get(spec_kind(step_spec(step_run)))
+
+
 def row_resume_handler(step_run: StepRun) -> RowResume | None:
     """What a queued row does when it gets another chance, or None: it asks for the lock."""
     return REGISTRY.row_resumers.get(spec_kind(step_spec(step_run)))
@@ -197,7 +206,7 @@ def kinds_expected() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     steps = (*StepKind.values, FANOUT)
     phases = tuple(phase for phase in Phase.values if phase != Phase.FORWARD)
     policies = tuple(policy for policy in OnFailure.values if policy not in BUILT_IN_POLICIES)
-    step_deadlines = tuple(kind for kind in KINDS if kind not in RUN_KINDS)
+    step_deadlines = tuple(kind for kind in KINDS if kind not in (*RUN_KINDS, *ANSWER_DEADLINES))
     return {
         "step_kinds": (steps, steps),
         "row_ended": (phases, (*phases, *steps)),

@@ -57,7 +57,14 @@ from ..events import EventLog
 from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
-from .kinds import row_batched, row_commanded, row_ended_handler, spec_behaviour
+from .kinds import (
+    ANSWER_DEADLINES,
+    row_batched,
+    row_commanded,
+    row_deadline_handler,
+    row_ended_handler,
+    spec_behaviour,
+)
 from .plan import (
     RUN_ACTIVE,
     command_id_step,
@@ -89,8 +96,10 @@ DISPATCH_FIELDS = [
     "progress_messages",
 ]
 RUN_FINISH_FIELDS = ["cursor", "status", "error", "finished_at"]
-# Deadline kinds `dues_plan` decides; the others are handled one at a time (jobs/engine/due.py).
-PLANNED_DEADLINES = ("ack", "done", "retry")
+# Deadline kinds `dues_plan` decides (ack and done for every row whose kind does not take
+# its deadlines over, retry for the rows the plan dispatches); the others are handled one
+# at a time (jobs/engine/due.py).
+PLANNED_DEADLINES = (*ANSWER_DEADLINES, "retry")
 
 
 @dataclass
@@ -349,7 +358,7 @@ def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -
         row = rows.get(deadline.step_run_id)
         if row is None or row.attempt != deadline.attempt or row.pk in seen:
             continue
-        if not _kind_planned(row):
+        if row_deadline_handler(row) is not None or (deadline.kind == "retry" and not _kind_planned(row)):
             plan.unplanned.append(deadline)
             continue
         answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
@@ -383,7 +392,7 @@ def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -
 
 
 def _kind_planned(row: StepRun) -> bool:
-    """Rows a plan decides: a plain command on a device, forward or compensation."""
+    """Rows a plan dispatches: a plain command on a device, forward or compensation."""
     return row.device_id is not None and row_batched(row)
 
 

@@ -19,7 +19,6 @@ from django.utils import timezone
 
 from ..events import event_record
 from ..models import JobRun, OnFailure, RunStatus, StepRun, StepStatus
-from .attempts import attempt_end
 from .kinds import REGISTRY, row_ended_handler
 from .plan import RUN_ACTIVE
 from .start import StepRefused, step_start
@@ -115,12 +114,3 @@ def run_continue(*, step_run: StepRun) -> None:
         status=step_run.status,
         error=step_error(step_run),
     )
-
-
-def attempt_end_continue(*, step_run: StepRun, command_id: str, **outcome) -> bool:
-    """End an attempt (jobs/engine/attempts.py) and, when the row ended for good, continue."""
-    if not attempt_end(step_run=step_run, command_id=command_id, **outcome):
-        return False
-    if step_run.status != StepStatus.RETRYING:
-        run_continue(step_run=step_run)
-    return True

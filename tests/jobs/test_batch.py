@@ -13,7 +13,7 @@ import pytest
 from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from devices.locks import device_lock_state
+from devices.locks import device_lock_extend, device_lock_state
 from devices.protocol import Reply
 from iotqueue import workstream
 from iotqueue.redis_conn import lock_redis_connection, redis_connection
@@ -481,3 +481,27 @@ def test_an_extension_in_a_batch_moves_the_deadline_and_the_lease(stack, manual_
     assert StepRun.objects.get(pk=row.pk).deadline == moved.deadline
     assert kinds(run).count("step.extended") == 1
     assert kinds(run).count("step.extend_refused") == 1
+
+
+def test_a_lease_that_runs_out_ends_the_attempt_as_one_transition(stack, manual_device):
+    # given a step in flight with a second attempt allowed, whose lock lease is cut short
+    device = DeviceFactory()
+    hand = manual_device(device.name)
+    template = template_with_steps((device, "slow", {}))
+    template.steps.update(max_attempts=2, backoff_seconds=0.1)
+    run, _ = run_start(template=template)
+    first = hand.next_command()
+    row = StepRun.objects.get(command_id=first["id"])
+    assert device_lock_extend(device.name, holder=f"step:{row.pk}", fence=row.fence, lease_seconds=0.2)
+
+    # when the monitor finds the lease expired, the attempt ends timed out and is retried:
+    # the device gets the second attempt under a new fence
+    second = hand.next_command(timeout=30)
+    assert (second["attempt"], second["step"]) == (2, 0)
+    assert second["token"] > first["token"]
+    retrying = RunEvent.objects.get(step_run=row, kind="step.retrying")
+    assert "device lock lease expired" in retrying.message
+
+    # and the run goes on as usual
+    engine_batch.transition_apply(replies=[(device.name, done(second["id"]))])
+    assert JobRun.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED
