@@ -37,7 +37,7 @@ class JobsConfig(AppConfig):
 
         # Importing metrics declares the app's /metrics families.
         from . import beat, canvas, gauges, metrics, replies, step_locks
-        from .engine.dispatch import step_handoff
+        from .engine.batch import step_handoff
         from .engine.plan import HOLDER_KIND
         from .events import run_ended
 

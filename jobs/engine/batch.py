@@ -58,13 +58,13 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
-from django.db import IntegrityError, InterfaceError, OperationalError
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 from django.db.models import Q
 from django.utils import timezone
 from redis.exceptions import RedisError
 
 from devices import protocol
-from devices.flow import device_flow_limited
+from devices.flow import device_flow_waits
 from devices.lock_recovery import locks_rebuild
 from devices.locks import (
     Grant,
@@ -72,6 +72,7 @@ from devices.locks import (
     device_lock_dequeue,
     device_lock_handoff,
     device_lock_pass_on,
+    device_lock_states,
     device_locks_apply,
 )
 from devices.models import Device
@@ -206,6 +207,7 @@ def transition_apply(
     at_cursor = _rows_at_cursor([run for run in runs.values() if run.status == RunStatus.RUNNING])
     batch = _Batch(rows)
     batch.last = last
+    batch.plan.waits.update(device_flow_waits([row.device for row in at_cursor.values()]))
 
     def prepare() -> None:
         planner.runs_begin(batch.plan, runs, list(starts), at_cursor)
@@ -245,7 +247,8 @@ def _rows_at_cursor(runs: list[JobRun]) -> dict:
 
 def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIES) -> list[Deadline]:
     """Due deadlines as one transition: `ack` / `done` time their attempts out, `retry`
-    queues their steps again (planner.dues_plan). Returns the deadlines left to the
+    queues their steps again, `dispatch` sends a spaced step that holds its lock
+    (planner.dues_plan). Returns the deadlines left to the
     one-at-a-time handlers (jobs/engine/due.py): other kinds, rows a plan does not decide,
     and all of them when the batch kept conflicting."""
     planned = [d for d in deadlines if d.kind in planner.PLANNED_DEADLINES]
@@ -255,10 +258,25 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     ids = {d.step_run_id for d in planned}
     rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
     batch = _Batch({})
+    devices = [row.device for row in rows.values() if row.device_id]
+    batch.plan.waits.update(device_flow_waits(devices))
+    # Who holds the locks a due `dispatch` asks about (read before the transaction).
+    asked = {
+        rows[d.step_run_id].device.name for d in planned if d.kind == "dispatch" and d.step_run_id in rows
+    }
+    holders = (
+        {
+            name: Grant(state.holder, state.fence)
+            for name, state in device_lock_states(sorted(asked)).items()
+            if state.holder is not None and state.fence is not None
+        }
+        if asked
+        else {}
+    )
     conflicted: list[Deadline] = []
 
     def prepare() -> None:
-        planner.dues_plan(batch.plan, rows, planned)
+        planner.dues_plan(batch.plan, rows, planned, holders)
         planner.runs_continue(batch.plan)
 
     def again() -> None:
@@ -338,6 +356,32 @@ def _attempt_end(step_run_id: int, fence: int, how: dict, retries: int = CANCEL_
     return ended[-1]
 
 
+def handoffs_apply(handed: list[tuple[str, Grant]], *, retries: int = CONFLICT_RETRIES) -> None:
+    """Dispatch the queued rows that were handed their device's lock outside a transition
+    (a lock passed on by the general path, a lease expiry, a force-release) or that hold
+    it already (a lost hand-off), as one transition: planner.handed_plan, as for the
+    devices a transition's releases hand on. A row that moved meanwhile is planned again
+    from a fresh read, where its lock is passed on."""
+    batch = _Batch({})
+    batch.dispatch_conflict = BatchConflict
+
+    def prepare() -> None:
+        batch.plan.handed.extend(handed)
+
+    def again() -> None:
+        if retries <= 0:
+            raise BatchRetry(f"dispatching {handed} kept conflicting")
+        handoffs_apply(handed, retries=retries - 1)
+
+    _transition(batch, prepare, again, "planning it again from a fresh read")
+
+
+def step_handoff(device: str, grant: Grant) -> None:
+    """Grant handler for "step" holders (jobs/apps.py registers it): the lock was handed to
+    a queued step outside a transition; dispatch it as a transition of one hand-off."""
+    handoffs_apply([(device, grant)])
+
+
 # Queued rows `rows_start` takes in one transition: one lock call of this many acquires
 # holds Redis for a few milliseconds, and their commands leave together.
 ROWS_START_BATCH = 500
@@ -347,9 +391,10 @@ def rows_start(step_run_ids: list[int]) -> None:
     """Take the device locks of queued rows (a fan-out's pump) as batched transitions of
     ROWS_START_BATCH rows: one lock call for them all, the granted rows dispatched in one
     transaction, their commands published together; a busy or offline device's row waits
-    as `step_acquire` would make it wait. A row without a device, a task row and a device
-    with flow control take the general path (`step_acquire`); so does every row of a batch
-    in which one moved (canceled) before its dispatch was written.
+    as `step_acquire` would make it wait, and one of a device with flow control keeps the
+    lock until it may be sent (`step.spaced`). A row without a device and a task row take
+    the general path (`step_acquire`); so does every row of a batch in which one moved
+    (canceled) before its dispatch was written.
     """
     for first in range(0, len(step_run_ids), ROWS_START_BATCH):
         _rows_start(step_run_ids[first : first + ROWS_START_BATCH])
@@ -364,10 +409,10 @@ def _rows_start(step_run_ids: list[int]) -> None:
     rows = [row for row in rows if row.status == StepStatus.QUEUED and row.run.status in RUN_ACTIVE]
     general, batched = [], []
     for row in rows:
-        flow = row.device_id is not None and device_flow_limited(row.device)
-        (general if row.device_id is None or flow or not row_batched(row) else batched).append(row)
+        (general if row.device_id is None or not row_batched(row) else batched).append(row)
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict
+    batch.plan.waits.update(device_flow_waits([row.device for row in batched]))
 
     def prepare() -> None:
         for row in batched:
@@ -395,7 +440,9 @@ def _transition(
     on; then the next rows, the lock call, the dispatches, the events, the commit, the
     publishes; then the one-at-a-time leftovers. A conflict rolls everything back (undoing
     the lock call when it came after it) and hands over to `conflicted` (the batch rolled
-    back writes nothing more)."""
+    back writes nothing more). Called inside a caller's transaction (a general-path step
+    handing a device on), what follows the commit waits for that transaction's commit."""
+    outermost = transaction.get_autocommit()
     try:
         with rows_atomic():
             prepare()
@@ -411,6 +458,15 @@ def _transition(
     except Exception:
         batch.undo()
         raise
+    if outermost:
+        _committed(batch)
+    else:
+        transaction.on_commit(partial(_committed, batch))
+
+
+def _committed(batch: _Batch) -> None:
+    """After a transition's commit: the cancels and the commands leave, the events are
+    told, then the plan's one-at-a-time leftovers run."""
     try:
         for row in batch.plan.cancels:
             _safely(partial(cancel_command_send, row))
@@ -500,6 +556,7 @@ class _Batch(BatchPublish):
         self._queue_planned()
         reserve = (StepRun, len(self.plan.naming))
         found, ids = self.writes.send(select=(Device, "name", names, ()), reserve=reserve)
+        self.plan.waits.update(device_flow_waits(found))
         planner.rows_name(self.plan, {device.name: device for device in found}, ids)
 
     def locks_apply(self) -> None:
@@ -513,6 +570,7 @@ class _Batch(BatchPublish):
         ids = planner.handed_ids(self.plan)
         # (The batch's own new rows are not among them: its releases come before its acquires.)
         rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
+        self.plan.waits.update(device_flow_waits([row.device for row in rows.values() if row.device_id]))
         writes = planner.handed_plan(self.plan, rows)
         if writes.ops or writes.writes:
             device_locks_apply(writes, zset=deadlines_key)

@@ -8,6 +8,8 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
+from devices.flow import device_flow_record
+from devices.models import Device
 from iotqueue.metrics import MetricsBatch
 from iotqueue.redis_conn import lock_redis_connection, lock_redis_shared, redis_connection
 
@@ -19,7 +21,8 @@ from .publish import publications_open
 class LastWrites:
     """What transitions write to Redis once committed and published, in one round trip (two
     while the locks have a Redis of their own): the `send` deadlines of commands the
-    broker acknowledged, the runs' deadlines, the metrics.
+    broker acknowledged, the runs' deadlines, the metrics, the send times of commands to
+    devices with flow control.
 
     A transition runs its own (`execute()`), unless its caller gathers them to run them in
     a pipeline of its own commands: the inbox acknowledges its entries and reads the next
@@ -30,9 +33,10 @@ class LastWrites:
         self.cleared: list[Deadline] = []
         self.deadlines: dict[Deadline, datetime] = {}
         self.metrics = MetricsBatch()
+        self.flows: list[Device] = []  # flow-controlled devices sent a command (devices.flow)
 
     def __bool__(self) -> bool:
-        return bool(self.cleared or self.deadlines or self.metrics)
+        return bool(self.cleared or self.deadlines or self.metrics or self.flows)
 
     def execute(self, pipe: Any | None = None) -> list:
         """Send the writes; with `pipe` (a pipeline of `redis_connection()`, without a
@@ -53,7 +57,9 @@ class LastWrites:
         deadlines_clear(self.cleared, pipe=locks)
         deadlines_set(self.deadlines, pipe=locks)
         self.metrics.pipe_add(pipe)
-        self.cleared, self.deadlines = [], {}
+        for device in self.flows:
+            device_flow_record(device, pipe=pipe)
+        self.cleared, self.deadlines, self.flows = [], {}, []
         replies = pipe.execute(raise_on_error=False)
         if locks is not pipe:
             locks.execute()
@@ -82,5 +88,6 @@ class BatchPublish:
         last.cleared += confirmed
         last.deadlines.update(self.run_deadlines)
         last.metrics.extend(self.events.metrics)
+        last.flows += self.plan.flow_sent
         if self.last is None:
             last.execute()

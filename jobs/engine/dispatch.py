@@ -4,7 +4,8 @@ No function here waits for a device. A queued step asks for its device's lock; w
 granted the attempt is committed (command id, fence, deadlines) and only then is the
 command published (the row is the outbox entry: a fast reply always finds it). A step
 for a busy device waits in the device's FIFO queue and is dispatched by whoever hands the
-lock on (devices/locks.py grant handlers; jobs/apps.py registers `step_handoff`).
+lock on (devices/locks.py grant handlers; jobs/apps.py registers batch.py's
+`step_handoff`).
 """
 
 from __future__ import annotations
@@ -259,11 +260,6 @@ def dispatch_if_holding(step_run: StepRun) -> bool:
         step_dispatch(step_run_id=step_run.pk, fence=state.fence)
         return True
     return False
-
-
-def step_handoff(device: str, grant: Grant) -> None:
-    """Grant handler for "step" holders: the lock was handed to a queued step; dispatch it."""
-    step_dispatch(step_run_id=int(grant.holder.partition(":")[2]), fence=grant.fence)
 
 
 # A cancel command's id: no step's, so the device's answer to it is recorded as unknown.

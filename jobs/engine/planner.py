@@ -97,9 +97,9 @@ DISPATCH_FIELDS = [
 ]
 RUN_FINISH_FIELDS = ["cursor", "status", "error", "finished_at"]
 # Deadline kinds `dues_plan` decides (ack and done for every row whose kind does not take
-# its deadlines over, retry for the rows the plan dispatches); the others are handled one
-# at a time (jobs/engine/due.py).
-PLANNED_DEADLINES = (*ANSWER_DEADLINES, "retry")
+# its deadlines over, retry and dispatch for the rows a plan dispatches); the others are
+# handled one at a time (jobs/engine/due.py).
+PLANNED_DEADLINES = (*ANSWER_DEADLINES, "retry", "dispatch")
 
 
 @dataclass
@@ -150,6 +150,10 @@ class Plan:
     cancels: list[StepRun] = field(default_factory=list)  # their device is sent a `cancel`
     run_deadlines: dict[Deadline, datetime] = field(default_factory=dict)  # after the commit
     rebuild: bool = False  # Redis lost the locks: rebuild them after the commit
+    # Facts: seconds until each flow-controlled device may get its next command (the
+    # executor reads them for the devices a stage may dispatch to: devices.flow).
+    waits: dict[str, float] = field(default_factory=dict)
+    flow_sent: list[Device] = field(default_factory=list)  # flow-controlled, sent to now
     unplanned: list[Deadline] = field(default_factory=list)  # for jobs/engine/due.py's handlers
 
     def write(self, model: type[Model], rows: list, fields: list[str], **guard: Any) -> None:
@@ -211,10 +215,7 @@ def _run_resume(plan: Plan, run: JobRun, row: StepRun | None) -> None:
         plan.starting.append(run)
     elif row.status == StepStatus.QUEUED:
         row.run = run
-        if device_flow_limited(row.device):
-            plan.later_add("enter", run=run, index=run.cursor)
-        else:
-            row_acquire(plan, row)
+        row_acquire(plan, row)
 
 
 def replies_plan(
@@ -346,11 +347,16 @@ def _ack(plan: Plan, row: StepRun, reply: protocol.Reply) -> None:
     plan.acks[row.pk] = row
 
 
-def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -> None:
+def dues_plan(
+    plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline], holders: dict[str, Grant] | None = None
+) -> None:
     """Due `ack` / `done` deadlines time their attempt out (retried while it has budget),
-    a due `retry` queues the step again for the device's lock; a deadline that no longer
-    matches its row (another attempt, another status) changes nothing. A `done` whose row
-    says later (the device extended the attempt) is watched again at the row's deadline."""
+    a due `retry` queues the step again for the device's lock, a due `dispatch` (flow
+    control's, or a hand-off's that was lost) dispatches a queued row that holds its
+    device's lock (`holders`: the lock's holder per device, read for them) as a hand-off
+    would; a deadline that no longer matches its row (another attempt, another status)
+    changes nothing. A `done` whose row says later (the device extended the attempt) is
+    watched again at the row's deadline."""
     timing_out: list[tuple[StepRun, dict]] = []
     requeued: list[StepRun] = []
     seen: set[int] = set()
@@ -358,7 +364,8 @@ def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -
         row = rows.get(deadline.step_run_id)
         if row is None or row.attempt != deadline.attempt or row.pk in seen:
             continue
-        if row_deadline_handler(row) is not None or (deadline.kind == "retry" and not _kind_planned(row)):
+        dispatching = deadline.kind in ("retry", "dispatch")
+        if row_deadline_handler(row) is not None or (dispatching and not _kind_planned(row)):
             plan.unplanned.append(deadline)
             continue
         answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
@@ -378,6 +385,11 @@ def dues_plan(plan: Plan, rows: dict[int, StepRun], deadlines: list[Deadline]) -
             plan.events.add("step.queued", step_run=row, message=f"for attempt {row.attempt + 1}")
             requeued.append(row)
             seen.add(row.pk)
+        elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED:
+            grant = (holders or {}).get(row.device.name)
+            if grant is not None and grant.holder == step_holder(row):
+                plan.handed.append((row.device.name, grant))
+                seen.add(row.pk)
     plan.write(
         StepRun,
         requeued,
@@ -564,15 +576,15 @@ def rows_wanted(plan: Plan) -> set[str]:
 
 def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
     """The runs' next rows, made and named by the reserved `ids`, queued, each asking for
-    its device's lock; a refusal (no such device, a reference with no value) or a device
-    with flow control starts the general way."""
+    its device's lock; a refusal (no such device, a reference with no value) starts the
+    general way (the step fails there with the reason)."""
     for (run, spec, name), pk in zip(plan.naming, ids, strict=True):
         device = devices.get(name)
         try:
             args = step_args(run, spec["args"], device) if device is not None else None
         except templating.TemplateError:
             args = None
-        if args is None or not device.enabled or device_flow_limited(device):
+        if args is None or not device.enabled:
             plan.later_add("enter", run=run, index=run.cursor)
             continue
         row = StepRun(
@@ -600,6 +612,20 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
         plan.zset_add({Deadline.of("queue", row): row.deadline})
         plan.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
         return
+    wait = plan.waits.get(row.device.name, 0.0)
+    if wait > 0:
+        # Flow control: granted, the row keeps the lock and is dispatched when due.
+        spaced = {Deadline.of("dispatch", row).member: deadline_score(plan.now + timedelta(seconds=wait))}
+        index = plan.locks.acquire(
+            row.device.name,
+            holder=step_holder(row),
+            priority=row.run.priority,
+            lease_seconds=lease_seconds(step_spec(row)) + wait,
+            on_grant=spaced,
+            on_queue=queue,
+        )
+        plan.acquires[index] = (row, None)
+        return
     attempt = attempt_new(row, fence=0, now=plan.now)
     index = plan.locks.acquire(
         row.device.name,
@@ -623,7 +649,9 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
         if index in plan.dequeues or index in plan.extends:
             continue
         row, attempt = plan.acquires[index]
-        if isinstance(outcome, Grant):
+        if isinstance(outcome, Grant) and attempt is None:
+            _spaced(plan, row)
+        elif isinstance(outcome, Grant):
             _dispatch(plan, row, attempt, outcome.fence)
         elif isinstance(outcome, Queued):
             plan.events.add("step.waiting", step_run=row, message=f"device busy, position {outcome.position}")
@@ -652,10 +680,24 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
             row is None
             or row.status != StepStatus.QUEUED
             or row.run.status not in RUN_ACTIVE
-            or device_flow_limited(row.device)
             or not row_batched(row)
         ):
             plan.later_add("dispatch", step_run_id=step_id, fence=grant.fence)
+            continue
+        wait = plan.waits.get(device, 0.0)
+        if wait > 0:
+            # Flow control: the row keeps the lock and is dispatched when due.
+            spaced = Deadline.of("dispatch", row)
+            writes.zset_add(
+                {spaced.member: deadline_score(plan.now + timedelta(seconds=wait))}, shard=spaced.shard
+            )
+            writes.extend(
+                device,
+                holder=step_holder(row),
+                fence=grant.fence,
+                lease_seconds=lease_seconds(step_spec(row)) + wait,
+            )
+            _spaced(plan, row)
             continue
         attempt = attempt_new(row, fence=grant.fence, now=plan.now)
         for shard, group in by_shard(attempt.deadlines).items():
@@ -677,6 +719,13 @@ def _dispatch(plan: Plan, row: StepRun, attempt: Attempt, fence: int) -> None:
         setattr(row, name, value)
     plan.events.add("step.dispatched", step_run=row, message=f"attempt {row.attempt}, fence {fence}")
     plan.dispatches.append(row)
+    if device_flow_limited(row.device):
+        plan.flow_sent.append(row.device)  # its send time, for the device's next wait
+
+
+def _spaced(plan: Plan, row: StepRun) -> None:
+    wait = plan.waits[row.device.name]
+    plan.events.add("step.spaced", step_run=row, message=f"flow control: sending in {wait:.1f}s")
 
 
 def dispatches_writes(plan: Plan) -> list[RowWrite]:

@@ -205,6 +205,9 @@ def test_flow_control_spaces_commands_to_slow_firmware(stack, simulator):
     times = [c["at"] for c in sim.received(terminal.name)]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert len(gaps) == 2 and min(gaps) >= 0.95, gaps
+    # the next steps kept the lock while spaced, and each was dispatched once
+    kinds = list(RunEvent.objects.filter(run=run).values_list("kind", flat=True))
+    assert kinds.count("step.spaced") >= 1 and kinds.count("step.dispatched") == 3, kinds
 
 
 def test_delay_and_wait_online_steps_hold_no_worker_or_lock(stack, simulator):
