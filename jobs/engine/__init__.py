@@ -9,13 +9,19 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  cancels), as a plan of writes, lock operations, deadlines and
                  commands; no I/O
     progress.py  what a step row keeps of an ack or progress, and which are events
-    runs.py      continuing runs: a step row's outcome moves its run on, rolls it back or
-                 ends it (row owners and failure policies: kinds.py)
-    attempts.py  ending an attempt: succeeded, retrying (back-off), failed, timed out
-    start.py     starting the step at a run's cursor, by kind (kinds.py)
+    runs.py      how a step's final outcome decides its run (`run_next`, which the planner
+                 asks); the general path's continuation of what a plan leaves (a
+                 rollback, fan-out and compensation rows, other step kinds)
+    attempts.py  how an attempt ends (`attempt_outcome`) or is extended
+                 (`attempt_extension`); a back-off's requeue and a queue timeout of the
+                 rows a plan does not dispatch
+    start.py     starting the step at a run's cursor by kind, for the kinds a plan does
+                 not start (kinds.py)
     publish.py   the commands a task published without waiting for the broker, confirmed
                  before it ends (`Publications`)
-    dispatch.py  taking the device lock, committing the attempt, publishing the command
+    dispatch.py  a new attempt's fields and deadlines (`attempt_new`), a command's message;
+                 the general path's lock and dispatch of the rows a plan does not dispatch
+                 (a task step's, a row without a device)
     kinds.py     the kinds' registry: what each step kind, row owner, failure policy and
                  deadline kind declared; the stages ask it instead of testing a kind
     plan.py      what a step row executes (spec, target, args, ids); no writes
@@ -23,7 +29,7 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
 Each kind declares itself with a decorator of kinds.py where it is defined: the command in
 start.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py, a
 registered Celery task as a step in taskstep.py, the `rollback` failure policy and its
-compensation rows in rollback.py; due.py handles an attempt's deadlines. jobs/apps.py
+compensation rows in rollback.py; due.py handles the deadline kinds a plan does not. jobs/apps.py
 imports those modules (`KIND_MODULES`) when the app loads and checks that every kind is
 declared once (`kinds.kinds_check`); importing this package loads nothing.
 Imports point down this list (a module imports only those below it, never the reverse),
