@@ -2,9 +2,13 @@
 
 Each simulated device is a real paho client: it subscribes to its command topic, keeps a
 retained online/offline status (offline is also its last will), sends heartbeats, and answers
-commands with ack / progress / done after a random latency. Above all it is the test oracle
-for the device lock: it records, and logs at ERROR, every command that arrives while another
-is still in flight on the same device, and every fencing token that goes backwards.
+commands with ack / progress / done after a random latency, and it keeps the rules of
+docs/protocol.md for late commands: one from an attempt the server has moved past (a lower
+token, or its deadline gone) is not started, and a command with a higher token supersedes
+the one in flight. Above all it is the test oracle for the device lock: it records, and logs
+at ERROR, every command that arrives while another the server may still count as in flight
+(no done yet, deadline not passed) is on the same device, and every fencing token that goes
+backwards on a command the server may still count as current.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import paho.mqtt.client as mqtt
@@ -38,7 +43,19 @@ RECENT_KEPT = 64
 # How long stop() waits for the broker's PUBACKs of the final "offline" statuses.
 STOP_TIMEOUT_SECONDS = 5.0
 ONLINE, OFFLINE = b"online", b"offline"
-COUNTERS = ("commands", "duplicates", "failures", "rejected", "canceled", "malformed", "reboots")
+# "late": commands not started because the server had moved past them (docs/protocol.md,
+# late commands); "superseded": commands abandoned when one with a higher token came.
+COUNTERS = (
+    "commands",
+    "duplicates",
+    "failures",
+    "rejected",
+    "canceled",
+    "malformed",
+    "reboots",
+    "late",
+    "superseded",
+)
 
 
 @dataclass(frozen=True)
@@ -91,7 +108,8 @@ class DeviceBehaviour:
 
 
 class Overlap(NamedTuple):
-    """A lock violation: new_id arrived on device while in_flight_id had no done yet."""
+    """A lock violation: new_id arrived on device while in_flight_id had no done yet and its
+    deadline had not passed, i.e. while the server could still count it in flight."""
 
     device: str
     in_flight_id: str
@@ -99,7 +117,8 @@ class Overlap(NamedTuple):
 
 
 class TokenRegression(NamedTuple):
-    """A fencing violation: command_id carried a token lower than one the device already saw."""
+    """A fencing violation: command_id carried a token lower than one the device already saw,
+    and its deadline had not passed (a command the server could still count as current)."""
 
     device: str
     command_id: str
@@ -123,6 +142,38 @@ def _command_parse(body: Any, topic: str) -> dict[str, Any]:
 
 def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _deadline_epoch(command: dict[str, Any]) -> float | None:
+    """A command's `deadline` as epoch seconds; None when it has none or it does not parse."""
+    value = command.get("deadline")
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment.timestamp() if moment.tzinfo is not None else None
+
+
+def _token(command: dict[str, Any]) -> int | None:
+    token = command.get("token")
+    return token if isinstance(token, int) and not isinstance(token, bool) else None
+
+
+@dataclass
+class _Running:
+    """A command the device is executing: its pending progress/done timers, its token, and
+    until when the server may still count it in flight (its deadline; later once the device
+    asked for more time, whether or not the server granted it: the oracle errs towards
+    counting an overlap). None: no usable deadline, in flight for as long as it runs."""
+
+    timers: list[_Timer]
+    token: int | None
+    live_until: float | None
+
+    def live(self, now: float) -> bool:
+        return self.live_until is None or now < self.live_until
 
 
 @dataclass(order=True)
@@ -216,7 +267,7 @@ class SimulatedDevice:
         self._rebooted: set[str] = set()  # commands this device rebooted in the middle of
         self.jobs_current: list[dict[str, Any]] = []  # v1.1 answers to its jobs/get, in order
         self._lock = threading.Lock()
-        self._in_flight: dict[str, list[_Timer]] = {}  # command id -> its pending progress/done timers
+        self._in_flight: dict[str, _Running] = {}  # command id -> what it is waiting for
         self._recent: OrderedDict[str, bytes | None] = OrderedDict()  # finished id -> its done payload
         self._fence: int | None = None
         self._client: mqtt.Client | None = None
@@ -340,8 +391,10 @@ class SimulatedDevice:
         command_id = command["id"]
         with self._lock:
             duplicate = command_id in self._in_flight or command_id in self._recent
-            # received_at (monotonic seconds): when it arrived, for tests that measure a pace.
-            self._received.append({**command, "duplicate": duplicate, "received_at": time.monotonic()})
+            # received_at (monotonic seconds): when it arrived, for tests that measure a pace;
+            # late: not started, the server had moved past it (set below).
+            record = {**command, "duplicate": duplicate, "late": False, "received_at": time.monotonic()}
+            self._received.append(record)
             if duplicate:
                 self.counts["duplicates"] += 1
                 replay = self._recent.get(command_id)
@@ -349,9 +402,10 @@ class SimulatedDevice:
                 if replay is not None:  # an idempotent device answers a finished command again
                     self._reply("done", replay)
                 return
+            if not self._admit(command):
+                record["late"] = True
+                return
             self.counts["commands"] += 1
-            self._fence_check(command)
-            self._overlap_check(command)
             if self.behaviour.silent:
                 self._remember(command_id, None)
                 return
@@ -383,26 +437,67 @@ class SimulatedDevice:
             self.jobs_current.append(answer)
             if command is None or command["id"] in self._in_flight or command["id"] in self._recent:
                 return
-            self._overlap_check(command)
-            self._in_flight[command["id"]] = self._schedule(command)
+            if self._admit(command):
+                self._in_flight[command["id"]] = self._schedule(command)
 
-    def _fence_check(self, command: dict[str, Any]) -> None:
-        token = command["token"]
-        if not isinstance(token, int) or isinstance(token, bool):
-            return
-        if self._fence is not None and token < self._fence:
-            regression = TokenRegression(self.name, command["id"], self._fence, token)
-            self.token_regressions.append(regression)
-            log.error("FENCING VIOLATION %s, run %s step %s", regression, command["run"], command["step"])
-        self._fence = token if self._fence is None else max(self._fence, token)
+    def _admit(self, command: dict[str, Any]) -> bool:
+        """Whether to start a new command (docs/protocol.md, late commands), checking the
+        lock and the fence on the way; called with the lock held.
 
-    def _overlap_check(self, command: dict[str, Any]) -> None:
-        if self._in_flight:
-            overlap = Overlap(self.name, next(iter(self._in_flight)), command["id"])
+        Not started (counted "late", never answered: the server has moved past it): a token
+        lower than one already seen, or a deadline already passed. A higher token supersedes
+        the commands in flight: the server only grants it once their attempts ended.
+        """
+        now, token, deadline = time.time(), _token(command), _deadline_epoch(command)
+        live = deadline is None or now < deadline
+        if token is not None and self._fence is not None and token < self._fence:
+            if live:
+                regression = TokenRegression(self.name, command["id"], self._fence, token)
+                self.token_regressions.append(regression)
+                log.error("FENCING VIOLATION %s, run %s step %s", regression, command["run"], command["step"])
+            return self._late(command, f"token {token} below {self._fence}")
+        if token is not None:
+            self._fence = token
+        if not live:
+            return self._late(command, f"deadline {command['deadline']} passed")
+        self._overlap_check(command, now)
+        if token is not None:
+            self._supersede(token)
+        return True
+
+    def _late(self, command: dict[str, Any], why: str) -> bool:
+        self.counts["late"] += 1
+        self._remember(command["id"], None)
+        log.info("simulated device %s: late command %s not started: %s", self.name, command["id"], why)
+        return False
+
+    def _overlap_check(self, command: dict[str, Any], now: float) -> None:
+        """An overlap is a command arriving while another the server may still count in flight
+        (no done yet, deadline not passed) runs here. One whose deadline passed was timed out
+        by the server before it granted the lock on: a late copy, not two holders at once."""
+        live = next(
+            (command_id for command_id, running in self._in_flight.items() if running.live(now)), None
+        )
+        if live is not None:
+            overlap = Overlap(self.name, live, command["id"])
             self.overlaps.append(overlap)
             log.error("LOCK VIOLATION %s, run %s step %s", overlap, command["run"], command["step"])
 
-    def _schedule(self, command: dict[str, Any]) -> list[_Timer]:
+    def _supersede(self, token: int) -> None:
+        """Abandon the commands in flight with a lower token: their attempts ended on the
+        server (done, timeout or cancel), so their done would only be recorded as stale."""
+        for command_id, running in list(self._in_flight.items()):
+            if running.token is not None and running.token < token:
+                for timer in running.timers:
+                    timer.cancel()
+                del self._in_flight[command_id]
+                self._remember(command_id, None)
+                self.counts["superseded"] += 1
+                log.info(
+                    "simulated device %s: command %s superseded by token %s", self.name, command_id, token
+                )
+
+    def _schedule(self, command: dict[str, Any]) -> _Running:
         behaviour = self.behaviour
         latency = self._rng.uniform(behaviour.latency_min_ms, behaviour.latency_max_ms) / 1000
         timers = [self._timers.call_later(latency, self._command_finish, command)]
@@ -419,7 +514,10 @@ class SimulatedDevice:
                 }
             )
             timers.append(self._timers.call_later(latency / 10, self._reply, "progress", body))
-        return timers
+        live_until = _deadline_epoch(command)
+        if live_until is not None and behaviour.extend_seconds and not behaviour.reply_topic:
+            live_until = max(live_until, time.time() + latency / 10 + behaviour.extend_seconds)
+        return _Running(timers, _token(command), live_until)
 
     def _command_finish(self, command: dict[str, Any]) -> None:
         """Timer callback: the command is done; it leaves the in-flight set before done is sent,
@@ -457,7 +555,8 @@ class SimulatedDevice:
         with self._lock:
             self._received.append({**command, "duplicate": False})
             self.counts["commands"] += 1
-            timers = self._in_flight.pop(target, None) if isinstance(target, str) else None
+            running = self._in_flight.pop(target, None) if isinstance(target, str) else None
+            timers = running.timers if running is not None else None
             if timers is not None:
                 for timer in timers:
                     timer.cancel()
@@ -483,8 +582,8 @@ class SimulatedDevice:
 
     def _abandon(self) -> None:
         with self._lock:
-            for timers in self._in_flight.values():
-                for timer in timers:
+            for running in self._in_flight.values():
+                for timer in running.timers:
                     timer.cancel()
             self._in_flight.clear()
 

@@ -12,9 +12,10 @@ import os
 import socket
 import ssl
 import threading
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
 import paho.mqtt.client as mqtt
@@ -33,6 +34,18 @@ CONNECT_TIMEOUT_SECONDS = 10.0
 
 class PublishError(RuntimeError):
     """A message could not be handed to the broker (not connected, or no PUBACK in time)."""
+
+
+class Message(NamedTuple):
+    """A message to publish; one not handed to the broker by `expires_at` (epoch seconds) is
+    not sent at all: a command whose attempt's deadline passed while the broker was away."""
+
+    topic: str
+    payload: bytes
+    expires_at: float | None = None
+
+    def expired(self) -> bool:
+        return self.expires_at is not None and time.time() >= self.expires_at
 
 
 @dataclass(frozen=True)
@@ -152,8 +165,11 @@ class ProcessClient:
                 self._client, self._pid = client, os.getpid()
             return self._client
 
-    def close(self) -> None:
+    def close(self, client: mqtt.Client | None = None) -> None:
+        """Disconnect and drop the process's client (only if it is still `client`, when given)."""
         with self._lock:
+            if client is not None and self._client is not client:
+                return
             if self._client is not None and self._pid == os.getpid():
                 self._client.disconnect()
                 self._client.loop_stop()
@@ -161,24 +177,66 @@ class ProcessClient:
 
 
 class Publisher(ProcessClient):
-    """The process's command publisher (a ProcessClient that publishes)."""
+    """The process's command publisher (a ProcessClient that publishes).
+
+    How it fails: a client whose connection drops is never reconnected; the next publish
+    starts a fresh one. paho would otherwise reconnect by itself and send again every QoS 1
+    message the broker had not acknowledged, however late: a command whose attempt timed
+    out meanwhile would reach its device after the next holder's (issue 34). A message not
+    acknowledged before the drop is a failed publish, which the caller owns: the engine's
+    `send` deadline re-sends a command only while its attempt is still current
+    (jobs/engine/dispatch.py `command_resend`).
+    """
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        # The client whose connection dropped: written by its network thread, which must
+        # not take `_lock` (close() holds it while joining that thread).
+        self._dropped: mqtt.Client | None = None
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._dropped = client  # before `_ready` clears: a publish now starts a fresh client
+            client.disconnect()  # its network thread ends instead of reconnecting and re-sending
+        super()._on_disconnect(client, userdata, flags, reason_code, properties)
+
+    def _client_get(self) -> mqtt.Client:
+        dropped = self._dropped
+        if dropped is not None:
+            self._dropped = None
+            self.close(dropped)
+        return super()._client_get()
 
     def connect(self) -> None:
         """Start connecting now (non-blocking), so the first publish finds a live session."""
         self._client_get()
 
-    def _not_connected(self) -> str:
+    def _not_connected(self, client: mqtt.Client) -> str:
         """Why a publish found no connection; the client is dropped, so the next publish
         starts a fresh one (a client whose network thread died would never reconnect)."""
-        self.close()
+        self.close(client)
         address = broker_address()
         return f"not connected to MQTT broker at {address.host}:{address.port}"
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False) -> None:
-        """Publish and wait for the broker's acknowledgement; raise PublishError on failure."""
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        expires_at: float | None = None,
+    ) -> None:
+        """Publish and wait for the broker's acknowledgement; raise PublishError on failure.
+
+        `expires_at` (epoch seconds): a message not handed to the broker by then is not sent
+        at all (a command whose attempt's deadline passed while the broker was out of reach).
+        """
         client = self._client_get()
         if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
-            raise PublishError(self._not_connected())
+            raise PublishError(self._not_connected(client))
+        if Message(topic, payload, expires_at).expired():
+            raise PublishError(_expired(topic))
         info = client.publish(topic, payload, qos=qos, retain=retain)
         try:
             if info.rc != mqtt.MQTT_ERR_SUCCESS and info.rc != mqtt.MQTT_ERR_NO_CONN:
@@ -193,30 +251,40 @@ class Publisher(ProcessClient):
             # paho keeps an unacknowledged QoS 1 message and sends it again after reconnecting.
             # The caller treats this command as not sent (its attempt will time out and the
             # device may get the next command), so a late copy must never leave: drop the
-            # client together with its queue.
-            self.close()
+            # client together with its queue (this client only: another thread may already
+            # publish through a fresh one).
+            self.close(client)
             raise
 
-    def publish_nowait(self, messages: list[tuple[str, bytes]], *, qos: int = 1) -> list[Any]:
+    def publish_nowait(self, messages: list[tuple[str, bytes]] | list[Message], *, qos: int = 1) -> list[Any]:
         """Hand messages to the client without waiting for the broker.
 
         Per message: its MQTTMessageInfo (`is_published()` turns True when the broker's
-        PUBACK arrives) or, when it could not even be queued, why. The caller checks the
-        infos later and closes the client when one is overdue (jobs/engine/publish.py).
+        PUBACK arrives) or, when it could not even be queued (or expired first), why. The
+        caller checks the infos later and closes the client when one is overdue
+        (jobs/engine/publish.py).
         """
         if not messages:
             return []
         client = self._client_get()
         if not self._ready.wait(CONNECT_TIMEOUT_SECONDS):
-            return [self._not_connected()] * len(messages)
+            return [self._not_connected(client)] * len(messages)
         outcomes: list[Any] = []
-        for topic, payload in messages:
+        for message in messages:
+            topic, payload = message[0], message[1]
+            if isinstance(message, Message) and message.expired():
+                outcomes.append(_expired(topic))
+                continue
             info = client.publish(topic, payload, qos=qos)
             if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 outcomes.append(info)
             else:
                 outcomes.append(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         return outcomes
+
+
+def _expired(topic: str) -> str:
+    return f"publish to {topic} not sent: it expired while waiting for the broker"
 
 
 publisher = Publisher("worker")

@@ -31,7 +31,7 @@ from devices.locks import (
     device_lock_pass_on,
     device_lock_state,
 )
-from iotqueue.mqtt import PublishError, publisher
+from iotqueue.mqtt import Message, PublishError, publisher
 from iotqueue.redis_conn import redis_connection
 
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
@@ -212,8 +212,10 @@ def attempt_send(*, step_run: StepRun) -> bool:
     return sender(step_run=step_run)
 
 
-def command_message(step_run: StepRun) -> tuple[str, bytes]:
-    """The topic and payload of the step's current command."""
+def command_message(step_run: StepRun) -> Message:
+    """The topic and payload of the step's current command; it expires with its attempt's
+    deadline (not sent after it: the attempt times out, and a late copy could reach the
+    device after the next holder's command)."""
     payload = protocol.command_payload(
         command_id=step_run.command_id,
         run=str(step_run.run_id),
@@ -224,7 +226,7 @@ def command_message(step_run: StepRun) -> tuple[str, bytes]:
         args=step_run.args,
         deadline=step_run.deadline.isoformat(),
     )
-    return step_run.device.command_topic_for(step_run.action), payload
+    return Message(step_run.device.command_topic_for(step_run.action), payload, step_run.deadline.timestamp())
 
 
 def command_send(*, step_run: StepRun) -> bool:
@@ -232,8 +234,9 @@ def command_send(*, step_run: StepRun) -> bool:
 
     A failed publish is retried by the `send` deadline; the device deduplicates by id.
     """
+    message = command_message(step_run)
     try:
-        publisher.publish(*command_message(step_run))
+        publisher.publish(message.topic, message.payload, expires_at=message.expires_at)
     except PublishError as exc:
         event_record("step.publish_failed", step_run=step_run, message=str(exc))
         return False
@@ -241,8 +244,11 @@ def command_send(*, step_run: StepRun) -> bool:
 
 
 def command_resend(*, step_run: StepRun, attempt: int) -> None:
-    """The `send` deadline: re-send a command whose publish was never confirmed."""
+    """The `send` deadline: re-send a command whose publish was never confirmed, while its
+    attempt is current and its deadline ahead (past it, the `done` deadline times it out)."""
     if step_run.attempt != attempt or step_run.status != StepStatus.DISPATCHED:
+        return
+    if step_run.deadline is not None and step_run.deadline <= timezone.now():
         return
     event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
     if not attempt_send(step_run=step_run):

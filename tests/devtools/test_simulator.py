@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,26 @@ def reply(kind: str, command_id: str) -> Callable[[Message], bool]:
     return match
 
 
-def command(name: str, action: str, *, token: int = 1, args: dict | None = None, override: str = ""):
+def answered(command_id: str) -> Callable[[Message], bool]:
+    """Matches any reply (ack, progress or done) to this command."""
+
+    def match(message: Message) -> bool:
+        return (
+            message.topic.rpartition("/")[2] in protocol.REPLY_KINDS and message.body.get("id") == command_id
+        )
+
+    return match
+
+
+def command(
+    name: str,
+    action: str,
+    *,
+    token: int = 1,
+    args: dict | None = None,
+    override: str = "",
+    deadline: str = "2030-01-01T00:00:00Z",
+):
     """(topic, payload, id) of a protocol v1 command, built the way the engine builds it."""
     command_id = f"cmd-{uuid.uuid4().hex[:12]}"
     payload = protocol.command_payload(
@@ -128,7 +148,7 @@ def command(name: str, action: str, *, token: int = 1, args: dict | None = None,
         token=token,
         action=action,
         args=args or {},
-        deadline="2030-01-01T00:00:00Z",
+        deadline=deadline,
     )
     return protocol.command_topic(name, action, override), payload, command_id
 
@@ -226,17 +246,79 @@ def test_second_command_in_flight_is_an_overlap_but_redelivery_is_a_duplicate(si
     assert [record["duplicate"] for record in simulator.received("lamp-2")] == [False, True, False]
 
 
-def test_token_going_backwards_is_recorded(simulate, observer):
+def test_token_going_backwards_is_recorded_and_not_started(simulate, observer):
     simulator = simulate({"gate-1": DeviceBehaviour(latency_min_ms=0, latency_max_ms=5)})
     ids = []
-    for token in (5, 4, 5):
+    for token in (5, 4, 6):
         topic, payload, command_id = command("gate-1", "unlock", token=token)
         observer.publish(topic, payload)
-        observer.wait_for(reply("done", command_id))
         ids.append(command_id)
+    observer.wait_for(reply("done", ids[2]))
 
+    # Its deadline is ahead: the server would still count it current, so the fence went back.
     assert simulator.token_regressions == [TokenRegression("gate-1", ids[1], 5, 4)]
     assert simulator.overlaps == []
+    # Commands are handled in the order they came: the lower token was refused, unanswered.
+    assert observer.matching(answered(ids[1])) == []
+    assert simulator.stats()["devices"]["gate-1"]["late"] == 1
+
+
+def in_a_moment(seconds: float) -> str:
+    """An ISO 8601 deadline `seconds` from now (negative: already passed)."""
+    return datetime.fromtimestamp(time.time() + seconds, UTC).isoformat()
+
+
+def test_a_command_past_its_deadline_is_late_and_never_started(simulate, observer):
+    simulator = simulate({"gate-1": DeviceBehaviour(latency_min_ms=0, latency_max_ms=5)})
+    topic, late, late_id = command("gate-1", "unlock", token=1, deadline=in_a_moment(-1))
+    _, current, current_id = command("gate-1", "unlock", token=2)
+
+    observer.publish(topic, late)
+    observer.publish(topic, current)
+    observer.wait_for(reply("done", current_id))
+
+    assert observer.matching(answered(late_id)) == []
+    stats = simulator.stats()["devices"]["gate-1"]
+    assert (stats["commands"], stats["late"], stats["overlaps"], stats["token_regressions"]) == (1, 1, 0, 0)
+    assert [record["late"] for record in simulator.received("gate-1")] == [True, False]
+
+
+def test_a_higher_token_while_one_is_current_is_an_overlap_and_supersedes_it(simulate, observer):
+    # A real overlap: the server granted token 2 while token 1's attempt could still be answered.
+    simulator = simulate({"lamp-2": DeviceBehaviour(latency_min_ms=SLOW_MS, latency_max_ms=SLOW_MS)})
+    topic, first, first_id = command("lamp-2", "on", token=1)
+    _, second, second_id = command("lamp-2", "off", token=2)
+
+    observer.publish(topic, first)
+    observer.publish(topic, second)
+    observer.wait_for(reply("done", second_id))
+
+    assert simulator.overlaps == [Overlap("lamp-2", first_id, second_id)]
+    assert observer.matching(reply("done", first_id)) == []  # abandoned for the higher token
+    stats = simulator.stats()["devices"]["lamp-2"]
+    assert (stats["commands"], stats["superseded"], stats["overlaps"], stats["in_flight"]) == (2, 1, 1, 0)
+
+
+def test_a_command_whose_deadline_passed_is_superseded_without_an_overlap(simulate, observer):
+    # Issue 34: the first attempt timed out on the server (its deadline passed) and the lock
+    # went on; the next command finds the device still at the old one. Not two holders at once.
+    simulator = simulate({"lamp-2": DeviceBehaviour(latency_min_ms=SLOW_MS, latency_max_ms=SLOW_MS)})
+    expiry = time.time() + SLOW_MS / 4000
+    topic, first, first_id = command(
+        "lamp-2", "on", token=1, deadline=datetime.fromtimestamp(expiry, UTC).isoformat()
+    )
+    _, second, second_id = command("lamp-2", "off", token=2)
+
+    observer.publish(topic, first)
+    observer.wait_for(reply("ack", first_id))
+    wait_until(lambda: time.time() > expiry)
+    observer.publish(topic, second)
+    observer.wait_for(reply("done", second_id))
+
+    assert simulator.overlaps == []
+    assert observer.matching(reply("done", first_id)) == []
+    stats = simulator.stats()["devices"]["lamp-2"]
+    assert (stats["commands"], stats["superseded"], stats["overlaps"]) == (2, 1, 0)
 
 
 def is_reply(message: Message) -> bool:
