@@ -58,6 +58,9 @@ class Grant:
 
     holder: str
     fence: int
+    # An acquire by the holder it was already granted to (a re-acquire): nothing new was
+    # taken, so there is nothing to give back when the acquiring transition is undone.
+    held: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -460,8 +463,8 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
 def _outcome(op: dict, result: Any) -> Outcome:
     kind = op["o"]
     if kind == "a":
-        if result[0] == 1:
-            return Grant(op["h"], int(result[1]))
+        if result[0] in (1, 2):
+            return Grant(op["h"], int(result[1]), held=result[0] == 2)
         return Queued(int(result[1])) if result[0] == 0 else NotReady()
     if kind == "r":
         return Grant(result[1], int(result[2])) if result[0] == 1 else None

@@ -24,8 +24,9 @@
 --   {"o": "s", "d": device, "k": key index, "h": executing holder or "", "f": its fence,
 --    "m": the highest fence the database saw for the device, "l": lease ms}
 -- Returns JSON, per group one entry per op:
---   acquire: [1, fence] when granted (also when the caller already holds it: re-acquire is
---     idempotent, so a redelivered task does not queue behind itself), [0, position] when
+--   acquire: [1, fence] when granted, [2, fence] when the caller already holds it (re-acquire
+--     is idempotent, so a redelivered task does not queue behind itself; the caller took
+--     nothing, so undoing its transition must not hand the lock on), [0, position] when
 --     queued (once: asking again keeps the place), or [-1] while the shard's epoch is
 --     missing: granting then could hand a device still executing a command to a second
 --     holder, so nothing is granted until the lock state has been rebuilt (op "s").
@@ -67,7 +68,7 @@ local function acquire(s, zset, ready, op)
   local holder = redis.call('HGET', lock, 'holder')
   if holder == op.h then
     zadd_all(zset, op.g)
-    return {1, tonumber(redis.call('HGET', lock, 'fence'))}
+    return {2, tonumber(redis.call('HGET', lock, 'fence'))}
   end
   if not holder and redis.call('ZCARD', queue) == 0 then
     local fence = redis.call('INCR', fence_key)

@@ -612,7 +612,9 @@ class _Batch(BatchPublish):
                         device_lock_handoff(self.plan.releases[index].device.name, outcome)
                     continue
                 row, _ = self.plan.acquires[index]
-                if isinstance(outcome, Grant):
+                # A re-acquire (the row held the lock already: a hand-off or another
+                # transition got there first) took nothing, so it gives nothing back.
+                if isinstance(outcome, Grant) and not outcome.held:
                     device_lock_pass_on(row.device.name, holder=step_holder(row), fence=outcome.fence)
                 elif isinstance(outcome, Queued):
                     device_lock_dequeue(row.device.name, holder=step_holder(row))

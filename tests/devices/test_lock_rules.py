@@ -65,9 +65,12 @@ def test_a_free_device_is_granted_and_each_grant_has_a_higher_fence(device):
     assert second == Grant("a:2", first.fence + 1)
 
 
-def test_acquiring_again_by_the_holder_is_idempotent(device):
+def test_acquiring_again_by_the_holder_is_idempotent_and_says_it_took_nothing(device):
     first = acquire(device, "a:1")
-    assert acquire(device, "a:1") == first
+    again = acquire(device, "a:1")
+    assert again == first and not first.held
+    # a transition undone after it must not give back a lock it did not take
+    assert again.held
     assert device_lock_state(device).queue == []
 
 

@@ -505,3 +505,29 @@ def test_a_lease_that_runs_out_ends_the_attempt_as_one_transition(stack, manual_
     # and the run goes on as usual
     engine_batch.transition_apply(replies=[(device.name, done(second["id"]))])
     assert JobRun.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED
+
+
+def test_undoing_a_batch_whose_acquire_found_its_row_holding_the_lock_leaves_the_lock_alone(
+    stack, manual_device, monkeypatch
+):
+    # given a step dispatched and in flight on a device, and a batch that read its row
+    # while it was still queued (the pump or a device coming online, racing the hand-off)
+    device, hand, _run, first = two_steps_on_one_device(manual_device)
+    row = StepRun.objects.select_related("run", "device").get(command_id=first["id"])
+    held = device_lock_state(device.name)
+    stale = StepRun.objects.select_related("run", "device").get(pk=row.pk)
+    stale.status, stale.attempt = StepStatus.QUEUED, 0
+
+    # when that batch asks for the lock (a re-acquire: granted, taking nothing), its
+    # dispatch finds the row moved, and it is undone
+    with monkeypatch.context() as patched:
+        patched.setattr(engine_batch, "rows_select", lambda *args, **kwargs: [stale])
+        engine_batch.rows_start([row.pk])
+
+    # then the step in flight keeps its lock and fence: nobody else was handed the device
+    after = device_lock_state(device.name)
+    assert (after.holder, after.fence) == (held.holder, held.fence) == (f"step:{row.pk}", row.fence)
+    assert StepRun.objects.get(pk=row.pk).command_id == first["id"]
+    engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
+    second = hand.next_command()
+    assert (second["step"], second["token"]) == (1, row.fence + 1)

@@ -106,12 +106,5 @@ def test_mqtt_broker_restarted(stack, workload):
         pytest.skip("the MQTT broker is external (MQTT_URL): not ours to restart")
     sim, start = workload
     runs = start(12)
-    # Once, until a batched transition's undo stops handing on a lock it did not take:
-    # struck again and again, a device coming back online makes a batch re-acquire the
-    # locks of its queued rows; when a done hands the lock to one of those rows meanwhile,
-    # the re-acquire is granted (the row holds it already), the batch conflicts on that row,
-    # and its undo passes the lock on, so the next row is dispatched while the first is in
-    # flight: a real overlap, both attempts answered and accepted (issue 34, 2026-11-27:
-    # not a late delivery). Then FAULT_ROUNDS here too.
-    faults_strike(sim, stack.services.broker.restart, rounds=1)
+    faults_strike(sim, stack.services.broker.restart)
     assert_runs_ended_without_overlap(sim, runs, stack)

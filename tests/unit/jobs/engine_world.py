@@ -92,7 +92,7 @@ class Locks:
             return NotReady()
         if lock.holder == op["h"]:
             self.zset.update({m: s for s, m in op.get("g", [])})
-            return Grant(op["h"], lock.fence)
+            return Grant(op["h"], lock.fence, held=True)
         if lock.holder is None and not lock.queue:
             lock.counter += 1
             lock.holder, lock.fence = op["h"], lock.counter
