@@ -262,7 +262,9 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     batch.plan.waits.update(device_flow_waits(devices))
     # Who holds the locks a due `dispatch` asks about (read before the transaction).
     asked = {
-        rows[d.step_run_id].device.name for d in planned if d.kind == "dispatch" and d.step_run_id in rows
+        rows[d.step_run_id].device.name
+        for d in planned
+        if d.kind == "dispatch" and d.step_run_id in rows and rows[d.step_run_id].device_id
     }
     holders = (
         {
@@ -392,8 +394,9 @@ def rows_start(step_run_ids: list[int]) -> None:
     ROWS_START_BATCH rows: one lock call for them all, the granted rows dispatched in one
     transaction, their commands published together; a busy or offline device's row waits
     as `step_acquire` would make it wait, and one of a device with flow control keeps the
-    lock until it may be sent (`step.spaced`). A row without a device and a task row take
-    the general path (`step_acquire`); so does every row of a batch in which one moved
+    lock until it may be sent (`step.spaced`); a row without a device (a task step with no
+    target) is dispatched at once. A row of a kind a plan does not dispatch takes the
+    general path (`step_acquire`); so does every row of a batch in which one moved
     (canceled) before its dispatch was written.
     """
     for first in range(0, len(step_run_ids), ROWS_START_BATCH):
@@ -409,10 +412,10 @@ def _rows_start(step_run_ids: list[int]) -> None:
     rows = [row for row in rows if row.status == StepStatus.QUEUED and row.run.status in RUN_ACTIVE]
     general, batched = [], []
     for row in rows:
-        (general if row.device_id is None or not row_batched(row) else batched).append(row)
+        (batched if row_batched(row) else general).append(row)
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict
-    batch.plan.waits.update(device_flow_waits([row.device for row in batched]))
+    batch.plan.waits.update(device_flow_waits([row.device for row in batched if row.device_id]))
 
     def prepare() -> None:
         for row in batched:

@@ -58,7 +58,7 @@ class Attempt:
     deadlines: dict[Deadline, datetime]
 
 
-def attempt_new(step_run: StepRun, *, fence: int, now: datetime) -> Attempt:
+def attempt_new(step_run: StepRun, *, fence: int | None, now: datetime) -> Attempt:
     """The next attempt of a queued step under `fence`: what to write and what to watch."""
     spec = step_spec(step_run)
     attempt = step_run.attempt + 1

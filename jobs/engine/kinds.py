@@ -51,8 +51,9 @@ class StepKindBehaviour:
     start: StepStarter
     # The batched transition may make and queue the step's row itself (batch_rows.rows_name).
     batched_start: bool = False
-    # The batched path may dispatch the kind's rows when it has their lock (batch_locks,
-    # batch.rows_start); any other row is dispatched the general way (dispatch.step_dispatch).
+    # A plan may dispatch the kind's rows when they have their lock (or need none), and
+    # the executor sends their attempts after the commit (a command, or the kind's
+    # `attempt_sender`); any other row is dispatched the general way (dispatch.step_dispatch).
     batched_dispatch: bool = False
     # How a row fails that waited past its queue deadline (attempts.step_queue_timeout).
     queue_timeout_error: str = "waited {seconds}s for device {device} ({why})"

@@ -385,6 +385,9 @@ def dues_plan(
             plan.events.add("step.queued", step_run=row, message=f"for attempt {row.attempt + 1}")
             requeued.append(row)
             seen.add(row.pk)
+        elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED and row.device_id is None:
+            row_acquire(plan, row)  # a row without a device whose dispatch was lost: now
+            seen.add(row.pk)
         elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED:
             grant = (holders or {}).get(row.device.name)
             if grant is not None and grant.holder == step_holder(row):
@@ -404,8 +407,9 @@ def dues_plan(
 
 
 def _kind_planned(row: StepRun) -> bool:
-    """Rows a plan dispatches: a plain command on a device, forward or compensation."""
-    return row.device_id is not None and row_batched(row)
+    """Rows a plan dispatches: a command or a task step (`batched_dispatch`), forward or
+    compensation."""
+    return row_batched(row)
 
 
 # Runs a cancel ends.
@@ -607,6 +611,12 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
 def row_acquire(plan: Plan, row: StepRun) -> None:
     """A queued row asks for its device's lock: dispatched if granted (`locks_answered`),
     else its queue deadline is written with the acquire; an offline device is not asked."""
+    if row.device_id is None:
+        # A row without a device (a task step with no target) takes no lock: dispatched now.
+        attempt = attempt_new(row, fence=None, now=plan.now)
+        plan.zset_add(attempt.deadlines)
+        _dispatch(plan, row, attempt, None)
+        return
     queue = {Deadline.of("queue", row).member: deadline_score(row.deadline)}
     if not row.device.reachable:
         plan.zset_add({Deadline.of("queue", row): row.deadline})
@@ -714,12 +724,12 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
     return writes
 
 
-def _dispatch(plan: Plan, row: StepRun, attempt: Attempt, fence: int) -> None:
+def _dispatch(plan: Plan, row: StepRun, attempt: Attempt, fence: int | None) -> None:
     for name, value in {**attempt.changes, "fence": fence}.items():
         setattr(row, name, value)
     plan.events.add("step.dispatched", step_run=row, message=f"attempt {row.attempt}, fence {fence}")
     plan.dispatches.append(row)
-    if device_flow_limited(row.device):
+    if row.device_id is not None and device_flow_limited(row.device):
         plan.flow_sent.append(row.device)  # its send time, for the device's next wait
 
 

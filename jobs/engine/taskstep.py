@@ -44,7 +44,7 @@ TASK_STEP_RUN_TASK = "jobs.task_step_run"
 TIME_LIMIT_GRACE_SECONDS = 10
 
 
-@step_kind(StepKind.TASK, extend_refused="a task step's time limit is fixed")
+@step_kind(StepKind.TASK, batched_dispatch=True, extend_refused="a task step's time limit is fixed")
 def task_start(run: JobRun, index: int) -> None:
     """A task step: its queued row (with a device when it has a target), then the lock."""
     spec = run.plan[index]

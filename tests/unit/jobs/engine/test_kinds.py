@@ -105,12 +105,14 @@ def test_only_a_plain_command_starts_the_batched_way():
     assert batched == {StepKind.COMMAND}
 
 
-def test_command_and_fanout_rows_are_dispatched_the_batched_way_task_rows_are_not():
+def test_rows_that_send_an_attempt_are_dispatched_by_a_plan_waits_are_not():
     assert kinds.row_batched(row_of({"kind": StepKind.COMMAND, "device": "d"}))
     assert kinds.row_batched(row_of({"kind": StepKind.COMMAND, "group": "g"}))
-    assert not kinds.row_batched(row_of({"kind": StepKind.TASK, "action": "t"}))
+    assert kinds.row_batched(row_of({"kind": StepKind.TASK, "action": "t"}))
     undo_task = {"kind": StepKind.TASK, "compensation_action": "u", "compensation_args": {}}
-    assert not kinds.row_batched(row_of(undo_task, phase=Phase.COMPENSATION))
+    assert kinds.row_batched(row_of(undo_task, phase=Phase.COMPENSATION))
+    assert not kinds.row_batched(row_of({"kind": StepKind.DELAY}))
+    assert not kinds.row_batched(row_of({"kind": StepKind.WAIT_ONLINE, "device": "d"}))
 
 
 def test_a_fanout_row_and_a_compensation_report_to_their_owner_a_command_to_its_run():
