@@ -65,10 +65,19 @@ flower: install
 ## The whole suite against real servers (embedded ones unless REDIS_URL / MQTT_URL are set);
 ## first installs GNU gettext and promtool when missing (as root): the catalogue test extracts
 ## with xgettext, the alert rules' test runs promtool.
+## The tests are spread over TEST_WORKERS processes (pytest-xdist), each starting a stack of its
+## own (tests/conftest.py). Most of a stack test is waiting on the worker, the bridge or a device,
+## so two of them share two cores well and the suite takes about half as long. worksteal: each
+## process takes half the tests in order and an idle one takes over the other's remaining tail.
+## (Not loadfile: it keys tests by node id, and schemathesis gives all the operations of
+## tests/iotqueue/test_api_schema_fuzz.py one id, so all but one of them would silently not
+## run.) TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+
 test: install
 	$(BIN)/python -m devtools.messages install
 	$(BIN)/python -m devtools.promtool install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 ## The unit tier alone (tests/unit/): logic module by module, no server started or reached.
 test-fast: install

@@ -4,6 +4,10 @@ Servers are started on free ports (or taken from REDIS_URL / MQTT_URL when set, 
 the PostgreSQL + Mosquitto leg of .ci/run). Each session uses its own topic prefix,
 Redis key prefix and Celery queue, so it never sees another user's traffic.
 
+Under pytest-xdist (`make test` runs `-n 2`) every worker is a session of its own: its own
+servers, worker, bridge and beat, its own test database (pytest-django), and on a shared
+REDIS_URL its own Redis database (`redis_url_of_this_worker`).
+
 Two tiers: tests/unit/ tests logic module by module with no server (`make test-fast`);
 every other test is marked `stack` and gets the servers (`make test` runs both).
 """
@@ -16,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from django.conf import settings
@@ -71,6 +76,21 @@ def wait_for(
         time.sleep(0.05)
 
 
+def redis_url_of_this_worker(url: str) -> str:
+    """`url` with the Redis database moved on by this pytest-xdist worker's number (gw0 keeps
+    it, gw1 takes the next one...); `url` itself outside xdist.
+
+    Key prefixes and queues are per session already, but Celery also keeps keys that are not
+    (the unacked hash and its index, the pidbox and event exchanges' bindings): two workers'
+    stacks on one database would restore, revoke and inspect each other's tasks."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    parts = urlsplit(url)
+    database = int(parts.path.strip("/") or 0) + int(worker.removeprefix("gw"))
+    return urlunsplit(parts._replace(path=f"/{database}"))
+
+
 @dataclass
 class Services:
     redis_url: str
@@ -86,7 +106,9 @@ def services(tmp_path_factory) -> Iterator[Services]:
     workdir: Path = tmp_path_factory.mktemp("services")
     redis = broker = None
     redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
+    if redis_url:
+        redis_url = redis_url_of_this_worker(redis_url)
+    else:
         redis = redis_start(workdir)
         redis_url = redis.url
     mqtt_url = os.environ.get("MQTT_URL")

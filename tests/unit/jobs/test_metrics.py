@@ -20,7 +20,9 @@ from jobs.models import RUN_TERMINAL, STEP_TERMINAL, StepRun, StepStatus
 EVENT_KINDS = [
     "run.started",
     *(f"run.{status}" for status in RUN_TERMINAL),
-    *(f"step.{status}" for status in {*STEP_TERMINAL, *ATTEMPT_ENDS, StepStatus.DISPATCHED}),
+    # Sorted: a set's order changes with the hash seed, and pytest-xdist's workers (each with
+    # its own seed) must collect the same tests in the same order.
+    *(f"step.{status}" for status in sorted({*STEP_TERMINAL, *ATTEMPT_ENDS, StepStatus.DISPATCHED})),
     *DROPPED_MESSAGE_KINDS,
 ]
 
