@@ -51,6 +51,7 @@ from .. import templating
 from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
 from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..rows import row_new
 from .attempts import Outcome, attempt_deadlines, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .kinds import row_batched, row_commanded, row_ended_handler, spec_behaviour
@@ -462,7 +463,8 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
         if args is None or not device.enabled or device_flow_limited(device):
             plan.later_add("enter", run=run, index=run.cursor)
             continue
-        row = StepRun(
+        row = row_new(
+            StepRun,
             pk=pk,
             run=run,
             phase=Phase.FORWARD,
