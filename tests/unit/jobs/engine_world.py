@@ -128,7 +128,8 @@ class Locks:
         if not op.get("x") and (lock.holder != op["h"] or lock.fence != op["f"]):
             return None
         if not lock.queue:
-            lock.holder, lock.lease = None, None
+            # transition.lua deletes the lock hash (holder and fence) and its lease entry.
+            lock.holder, lock.fence, lock.lease = None, 0, None
             return None
         _, head = lock.queue.pop(0)
         lock.counter += 1
