@@ -23,7 +23,7 @@ from iotqueue.redis_conn import redis_connection, redis_key
 
 from .metrics import LOCK_WAIT, RUNS, RUNS_STARTED, STEP_DURATION, STEP_RETRIES, STEPS
 from .models import RUN_TERMINAL, STEP_TERMINAL, JobRun, RunEvent, StepRun, StepStatus
-from .rows import Writes, rows_create
+from .rows import Writes, row_new, rows_create
 
 log = logging.getLogger("jobs.timeline")
 
@@ -87,7 +87,9 @@ def event_new(
             data.setdefault("command_id", step_run.command_id)
     else:
         run_id = run.pk if run is not None else None
-    event = RunEvent(run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data)
+    event = row_new(
+        RunEvent, run_id=run_id, step_run=step_run, kind=kind, device=device, message=message, data=data
+    )
     if run is not None:
         event.run = run  # kept for the run_ended receivers (no query to read the run back)
     return event

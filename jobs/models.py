@@ -278,7 +278,9 @@ class TemplateVersion(models.Model):
         return f"{self.template.name} v{self.number}"
 
     def save(self, *args, **kwargs) -> None:
-        if not self._state.adding:
+        # A version the database numbered (any version stored: they are only ever created,
+        # by the ORM or loaded from the database) has its primary key.
+        if self.pk is not None:
             raise ValueError(f"{self} is immutable: a template's change is a new version")
         super().save(*args, **kwargs)
 

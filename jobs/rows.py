@@ -15,13 +15,13 @@ compilation and build the same model instances from one prepared column list.
 This is the one module of the project that writes SQL by hand, and it does so through
 Django's public surface only: the cursor API (`connection.cursor()`, `execute`,
 `executemany`, `fetchall`; on PostgreSQL psycopg's own `mogrify` and `nextset`), each
-field's documented preparation methods, `Model.from_db` for the rows it reads,
-`Model._state` (documented: "adding" and "db") for the rows it inserts, and
-`transaction.atomic` / `get_autocommit` / `get_rollback` for the transaction
-(`rows_atomic`). How it fails: a statement that fails raises the database's error
-(IntegrityError for a constraint) and the caller's atomic block rolls back everything the
-transaction wrote, the statements of the same text before it included
-(tests/jobs/test_rows.py checks it on both databases).
+field's documented preparation methods, `Model.from_db` for the rows it reads and for
+the new rows it inserts (built by `row_new`, so that once inserted they save again as an
+UPDATE, as rows the ORM saved do), and `transaction.atomic` / `get_autocommit` /
+`get_rollback` for the transaction (`rows_atomic`). How it fails: a statement that fails
+raises the database's error (IntegrityError for a constraint) and the caller's atomic
+block rolls back everything the transaction wrote, the statements of the same text before
+it included (tests/jobs/test_rows.py checks it on both databases).
 """
 
 from __future__ import annotations
@@ -101,12 +101,32 @@ def _insert_sql(model: type[Model], rows: list[Model], fields: list[str]) -> tup
     return f"INSERT INTO {quote(meta.db_table)} ({names}) VALUES ({marks})", params
 
 
+def row_new(model: type[Model], **values: Any) -> Model:
+    """A new row of `model` for `rows_create` or `Writes.insert`, built as the rows read from
+    the database are (`Model.from_db`, Django's documented way to build an instance that
+    is stored in a database), so that once inserted it behaves as a row the ORM saved:
+    `save()` UPDATEs it (a row with a UUID default would otherwise be INSERTed again).
+    `values` are as for the model's constructor (whose defaults fill the rest); a related
+    row given is kept on the instance, as the constructor keeps it.
+
+    Build a row this way only to insert it: until then it claims to be stored already.
+    """
+    built = model(**values)
+    names = [f.attname for f in model._meta.concrete_fields]
+    row = model.from_db(DEFAULT_DB_ALIAS, names, [getattr(built, name) for name in names])
+    for name, value in values.items():
+        if isinstance(value, Model):
+            setattr(row, name, value)
+    return row
+
+
 def rows_create(model: type[Model], rows: list[Model]) -> None:
     """INSERT new rows as save(force_insert=True) does, without preparing each through the
     model layer: every concrete field, its auto_now / auto_now_add ones stamped first; a
     primary key the database makes is read back, as bulk_create does; a primary key with a
     default (a UUID) is sent. In as few statements as the database's parameter limit
-    allows. A unique constraint's violation raises IntegrityError. No signal is sent."""
+    allows. A unique constraint's violation raises IntegrityError. No signal is sent. Build
+    the rows with `row_new` for them to save again as an UPDATE."""
     if not rows:
         return
     db = _db()
@@ -134,7 +154,6 @@ def rows_create(model: type[Model], rows: list[Model]) -> None:
             if made:  # in the order of VALUES, on both databases (bulk_create relies on it too)
                 for row, (pk,) in zip(chunk, cursor.fetchall(), strict=True):
                     row.pk = pk
-            _saved(chunk, db)
 
 
 class Writes:
@@ -157,7 +176,6 @@ class Writes:
 
     def __init__(self) -> None:
         self._queued: list[tuple[str, list[list], Exception | None]] = []
-        self._inserted: list[Model] = []  # marked saved once their INSERT went through
 
     def update(
         self,
@@ -181,7 +199,6 @@ class Writes:
             if fields is None:
                 fields = [f.name for f in model._meta.concrete_fields]
             self._queued.append((*_insert_sql(model, rows, fields), None))
-            self._inserted.extend(rows)
 
     def send(
         self,
@@ -200,7 +217,6 @@ class Writes:
         opened as the outermost block, the text then ends with its COMMIT (`_commit_rides`),
         which saves the commit's own round trip."""
         queued, self._queued = self._queued, []
-        inserted, self._inserted = self._inserted, []
         db = _db()
         reads, selecting = [], None
         if select is not None and list(select[2]):
@@ -225,7 +241,6 @@ class Writes:
         for (_, params, conflict), count in zip(queued, counts, strict=True):
             if conflict is not None and count != len(params):
                 raise conflict
-        _saved(inserted, db)
         rows = selecting.build(db, results[0]) if selecting is not None else []
         ids = _reserved(db, reserve[1], results[-1]) if reserving else []
         return rows, ids
@@ -266,14 +281,6 @@ def _reserved(db: BaseDatabaseWrapper, n: int, fetched: list) -> list[int]:
         return sorted(pk for (pk,) in fetched)
     ((last,),) = fetched
     return list(range(last + 1, last + n + 1))
-
-
-def _saved(rows: list[Model], db: BaseDatabaseWrapper) -> None:
-    """Mark inserted rows as the ORM marks what it saved: no longer adding, in this database.
-    `Model._state` and its `adding` and `db` are documented (the model instance reference;
-    its `from_db` example sets these two): a row marked so saves again as an UPDATE."""
-    for row in rows:
-        row._state.adding, row._state.db = False, db.alias
 
 
 def _db() -> BaseDatabaseWrapper:

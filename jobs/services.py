@@ -20,7 +20,7 @@ from .events import event_record
 from .inbox import run_enqueue
 from .models import JobRun, JobStep, JobTemplate, TemplateVersion, Trigger
 from .parameters import parameters_problem
-from .rows import row_last, rows_create, rows_select
+from .rows import row_last, row_new, rows_create, rows_select
 from .versions import version_snapshot
 
 # The task that (re)starts a run at its cursor, by name (jobs/tasks.py sits above this
@@ -184,7 +184,8 @@ def run_start(
             default_priority = (
                 template_version.default_priority if template_version else template.default_priority
             )
-            run = JobRun(
+            run = row_new(
+                JobRun,
                 template=template,
                 template_version=template_version,
                 parameters=parameters,

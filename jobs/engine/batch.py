@@ -564,6 +564,7 @@ class _Batch(BatchPublish):
 
     def locks_apply(self) -> None:
         """The one lock call: releases hand devices on, new rows acquire, deadlines written."""
+        planner.locks_order(self.plan)
         self.outcomes = device_locks_apply(self.plan.locks, zset=deadlines_key)
         planner.locks_answered(self.plan, self.outcomes)
 
@@ -571,7 +572,8 @@ class _Batch(BatchPublish):
         """Dispatch, in this transaction, the queued rows the releases handed a device to:
         read, planned, and their deadlines and full lease written in one more lock call."""
         ids = planner.handed_ids(self.plan)
-        # (The batch's own new rows are not among them: its releases come before its acquires.)
+        # (The batch's own new rows handed a device are not in the database yet: the plan
+        # has them.)
         rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
         self.plan.waits.update(device_flow_waits([row.device for row in rows.values() if row.device_id]))
         writes = planner.handed_plan(self.plan, rows)

@@ -55,6 +55,7 @@ from .. import templating
 from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
 from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..rows import row_new
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .kinds import (
@@ -357,7 +358,7 @@ def dues_plan(
     would; a deadline that no longer matches its row (another attempt, another status)
     changes nothing. A `done` whose row says later (the device extended the attempt) is
     watched again at the row's deadline."""
-    timing_out: list[tuple[StepRun, dict]] = []
+    timing_out: list[StepRun] = []
     requeued: list[StepRun] = []
     seen: set[int] = set()
     for deadline in deadlines:
@@ -376,7 +377,9 @@ def dues_plan(
             spec = step_spec(row)
             waited = spec["ack_timeout_seconds"] if deadline.kind == "ack" else spec["timeout_seconds"]
             error = f"no {deadline.kind} from {step_answerer(row)} within {waited}s"
-            timing_out.append((row, {"ok": False, "error": error, "retryable": True, "timed_out": True}))
+            # Its lock operations in the deadlines' order, as one at a time would make them.
+            _attempt_end(plan, row, {"ok": False, "error": error, "retryable": True, "timed_out": True})
+            timing_out.append(row)
             seen.add(row.pk)
         elif deadline.kind == "retry" and row.status == StepStatus.RETRYING:
             spec = step_spec(row)
@@ -384,6 +387,7 @@ def dues_plan(
             row.deadline = plan.now + timedelta(seconds=spec["queue_timeout_seconds"])
             plan.events.add("step.queued", step_run=row, message=f"for attempt {row.attempt + 1}")
             requeued.append(row)
+            row_acquire(plan, row)
             seen.add(row.pk)
         elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED and row.device_id is None:
             row_acquire(plan, row)  # a row without a device whose dispatch was lost: now
@@ -401,9 +405,7 @@ def dues_plan(
         match="attempt",
         conflict="a retrying step moved meanwhile",
     )
-    attempts_end(plan, timing_out)
-    for row in requeued:
-        row_acquire(plan, row)
+    _attempts_write(plan, timing_out)
 
 
 def _kind_planned(row: StepRun) -> bool:
@@ -503,20 +505,28 @@ def attempts_end(plan: Plan, ending: list[tuple[StepRun, dict]]) -> None:
     """End these in-flight attempts as `how` says (`attempt_outcome`); their locks are
     released, each handing its device on, in the lock call."""
     for row, how in ending:
-        outcome = attempt_outcome(row, now=plan.now, **how)
-        for name, value in outcome.changes.items():
-            setattr(row, name, value)
-        plan.events.add(f"step.{outcome.status}", step_run=row, message=outcome.message)
-        cleared, retry = attempt_deadlines(row, outcome)
-        plan.zset_remove(cleared)
-        plan.zset_add(retry)
-        if row.device_id is not None:  # a task step may have no device, and no lock
-            index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
-            plan.releases[index] = row
-        plan.ended.append((row, outcome))
+        _attempt_end(plan, row, how)
+    _attempts_write(plan, [row for row, _ in ending])
+
+
+def _attempt_end(plan: Plan, row: StepRun, how: dict) -> None:
+    outcome = attempt_outcome(row, now=plan.now, **how)
+    for name, value in outcome.changes.items():
+        setattr(row, name, value)
+    plan.events.add(f"step.{outcome.status}", step_run=row, message=outcome.message)
+    cleared, retry = attempt_deadlines(row, outcome)
+    plan.zset_remove(cleared)
+    plan.zset_add(retry)
+    if row.device_id is not None:  # a task step may have no device, and no lock
+        index = plan.locks.release(row.device.name, holder=step_holder(row), fence=row.fence)
+        plan.releases[index] = row
+    plan.ended.append((row, outcome))
+
+
+def _attempts_write(plan: Plan, rows: list[StepRun]) -> None:
     plan.write(
         StepRun,
-        [row for row, _ in ending],
+        rows,
         END_FIELDS,
         status_in=STEP_IN_FLIGHT,
         match="command_id",
@@ -591,7 +601,8 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
         if args is None or not device.enabled:
             plan.later_add("enter", run=run, index=run.cursor)
             continue
-        row = StepRun(
+        row = row_new(
+            StepRun,
             pk=pk,
             run=run,
             phase=Phase.FORWARD,
@@ -648,6 +659,35 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
     plan.acquires[index] = (row, attempt)
 
 
+def locks_order(plan: Plan) -> None:
+    """Put each new row's acquire right after the release of the row whose end started it
+    (its run's), so the lock call serves the devices as the batch's inputs applied one at a
+    time would: a run's next step is queued before a later input's release hands its device
+    on (with a higher priority it is served first), and a device released and acquired by
+    one run serves its queue first. Remaps the plan's op indexes."""
+    released = {row.run_id: index for index, row in plan.releases.items()}
+    new = {row.pk for row in plan.new_rows}
+    follows: dict[int, list[int]] = {}
+    for index, (row, _) in plan.acquires.items():
+        release = released.get(row.run_id)
+        if row.pk in new and release is not None and release < index:
+            follows.setdefault(release, []).append(index)
+    if not follows:
+        return
+    moved = {index for indexes in follows.values() for index in indexes}
+    order = []
+    for index in range(len(plan.locks.ops)):
+        if index not in moved:
+            order.append(index)
+            order += follows.get(index, [])
+    at = {old: new for new, old in enumerate(order)}
+    plan.locks.ops = [plan.locks.ops[old] for old in order]
+    plan.releases = {at[i]: row for i, row in plan.releases.items()}
+    plan.acquires = {at[i]: acquire for i, acquire in plan.acquires.items()}
+    plan.dequeues = {at[i] for i in plan.dequeues}
+    plan.extends = {at[i] for i in plan.extends}
+
+
 def locks_answered(plan: Plan, outcomes: list) -> None:
     """The lock call's answers: granted rows are dispatched, queued ones wait (an event),
     releases that handed a device on are kept for `handed_plan`."""
@@ -677,12 +717,16 @@ def handed_ids(plan: Plan) -> set[int]:
 def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
     """Dispatch the queued rows the releases handed a device to; returns the lock writes
     for them (their deadlines, the queue deadline cleared, the full lease), which the
-    executor applies before the commit. A holder of another kind, a row that moved on, a
-    task row or a device with flow control is dispatched the general way."""
+    executor applies before the commit. One of the batch's own new rows (queued by its
+    acquire, then handed the device by a later release: `locks_order`) is dispatched the
+    same way and inserted dispatched. A device whose next command is not due yet keeps it
+    with a `dispatch` deadline; a holder of another kind, a row that moved on and a kind a
+    plan does not dispatch are dispatched the general way."""
     writes = LockBatch()
+    new = {row.pk: row for row in plan.new_rows}
     for device, grant in plan.handed:
         step_id = holder_step_id(grant.holder)
-        row = rows.get(step_id) if step_id is not None else None
+        row = (rows.get(step_id) or new.get(step_id)) if step_id is not None else None
         if step_id is None:
             plan.later_add("handoff", device=device, grant=grant)
             continue

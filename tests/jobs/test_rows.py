@@ -15,7 +15,7 @@ from django.utils import timezone
 from devices.models import Device
 from jobs.events import EVENT_FIELDS
 from jobs.models import JobRun, RunEvent, StepRun, StepStatus, TemplateVersion
-from jobs.rows import Writes, row_last, rows_atomic, rows_create, rows_select
+from jobs.rows import Writes, row_last, row_new, rows_atomic, rows_create, rows_select
 from tests.factories import DeviceFactory, template_with_steps
 
 pytestmark = pytest.mark.django_db
@@ -73,7 +73,6 @@ def test_step_rows_with_run_and_device_as_select_related_reads_them(rows, django
     assert got["cmd-rows-1"].deadline == with_device.deadline
     assert got["cmd-rows-1"].args == {"valve": 2, "nested": [1, {"a": None}]}
     assert got["cmd-rows-1"].run.parameters == {"site": "ß"}
-    assert not got["cmd-rows-1"]._state.adding
     # Saved like any row read by the ORM (an UPDATE, not an INSERT).
     step = got["cmd-rows-1"]
     step.progress = 40
@@ -155,7 +154,8 @@ def test_reserved_ids_name_rows_inserted_whole_later_and_are_not_handed_out_agai
         assert len(set(ids)) == 3 and min(ids) > without_device.pk
         now = timezone.now()
         new = [
-            StepRun(
+            row_new(
+                StepRun,
                 pk=pk,
                 run=run,
                 index=5 + n,
@@ -170,10 +170,13 @@ def test_reserved_ids_name_rows_inserted_whole_later_and_are_not_handed_out_agai
         ]
         writes.insert(StepRun, new)
         assert writes.send() == ([], [])
-        assert not any(row._state.adding for row in new)  # saved, as the ORM marks it
     assert StepRun.objects.get(pk=with_device.pk).progress == 10
     for row in new:
         assert fields_of(StepRun.objects.get(pk=row.pk)) == fields_of(row)
+    # saved again as the ORM saves a row it wrote: an UPDATE
+    new[0].action = "again"
+    new[0].save(update_fields=["action"])
+    assert StepRun.objects.get(pk=new[0].pk).action == "again"
     later = StepRun.objects.create(run=run, index=9, device=device, action="open")
     assert later.pk > max(ids)
 
@@ -182,11 +185,19 @@ def test_created_rows_get_their_ids_and_read_back_as_the_orm_wrote_them(rows):
     run, device, _, _ = rows
     now = timezone.now()
     new = [
-        StepRun(run=run, index=5, device=device, action="close", args={"v": "50%"}, status=StepStatus.QUEUED),
-        StepRun(run=run, index=6, device=device, action="open", queued_at=now, deadline=now),
+        row_new(
+            StepRun,
+            run=run,
+            index=5,
+            device=device,
+            action="close",
+            args={"v": "50%"},
+            status=StepStatus.QUEUED,
+        ),
+        row_new(StepRun, run=run, index=6, device=device, action="open", queued_at=now, deadline=now),
     ]
     rows_create(StepRun, new)
-    assert all(row.pk and not row._state.adding for row in new)
+    assert all(row.pk for row in new)
     assert new[1].pk != new[0].pk
     for row in new:
         assert fields_of(StepRun.objects.get(pk=row.pk)) == fields_of(row)
@@ -200,12 +211,14 @@ def test_created_rows_with_a_uuid_key_and_auto_now_add_match_the_orms_save(rows)
     (numbered by the database) are written as save(force_insert=True) writes them."""
     run, _, _, _ = rows
     before = timezone.now()
-    new_run = JobRun(template=run.template, plan=[{"action": "open"}], parameters={"n": 1}, triggered_by="t")
+    new_run = row_new(
+        JobRun, template=run.template, plan=[{"action": "open"}], parameters={"n": 1}, triggered_by="t"
+    )
     chosen = new_run.pk
-    event = RunEvent(run=new_run, kind="run.created", data={"why": "ß"})
+    event = row_new(RunEvent, run=new_run, kind="run.created", data={"why": "ß"})
     rows_create(JobRun, [new_run])
     rows_create(RunEvent, [event])
-    assert new_run.pk == chosen and not new_run._state.adding
+    assert new_run.pk == chosen and event.pk
     assert before <= new_run.created_at <= timezone.now()
     assert fields_of(JobRun.objects.get(pk=chosen)) == fields_of(new_run)
     # Saved again as the ORM saves a row it wrote: an UPDATE (a row still marked as being

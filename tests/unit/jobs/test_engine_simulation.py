@@ -9,18 +9,28 @@ applied together or one at a time; attempts timing out and retried; devices goin
 and back; runs canceled whatever they are doing, or timed out by their max_duration; a
 worker dying between its commit and its publish (the `send` deadline sends again); two
 workers planning from the same read (the second one's compare-and-set fails and it plans
-again from a fresh read). After every step it checks the invariants; once the inputs stop,
-every run must end. A failing example prints its steps and its seed
-(`@reproduce_failure`), which replays it.
+again from a fresh read); a holder's lease running out (the monitor reclaims it before it
+claims deadlines); Redis losing every lock and deadline (acquires answer NotReady until the
+locks are rebuilt from the rows). Two rules apply the same inputs (replies, or the
+deadlines due) to two copies of the world, once as one batch and once one at a time, and
+compare the results (`world_state`). After every step it checks the invariants; once the
+inputs stop, every run must end. A failing example prints its steps and
+`@reproduce_failure(...)`: put that decorator on the `EngineMachine` class to replay it
+(or run again with `--hypothesis-seed=N`, N the seed Hypothesis prints with the failure).
 """
 
 from __future__ import annotations
+
+import copy
+import os
+import random
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from devices import protocol
+from jobs.deadlines import Deadline
 from jobs.engine import planner
 from jobs.engine.plan import holder_step_id, step_holder
 from jobs.models import STEP_IN_FLIGHT, OnFailure, RunStatus, StepStatus
@@ -33,6 +43,7 @@ from .engine_world import (
     World,
     reply,
     row_copy,
+    world_state,
 )
 
 
@@ -43,6 +54,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.world = World()
         self.pending: list = []
+        self.seen_fences: set[tuple[int, int]] = set()  # (row, attempt) whose fence was checked
 
     @initialize(
         runs=st.lists(
@@ -145,13 +157,81 @@ class EngineMachine(RuleBasedStateMachine):
     def time_passes(self, seconds):
         self.world.advance(seconds)
 
-    @rule(data=st.data())
-    def a_deadline_fires_again(self, data):
-        """A deadline claimed twice, or late: its attempt ended, or moved on, long ago."""
-        if self.world.members:
-            member = data.draw(st.sampled_from(sorted(self.world.members)))
-            self.world.locks.zset[member] = int(self.world.now.timestamp() * 1000)
+    @rule(data=st.data(), stale=st.booleans())
+    def a_deadline_fires_again(self, data, stale):
+        """A deadline claimed twice, or late: its attempt ended, or moved on, long ago
+        (`stale`: one of an earlier attempt of a step in flight now). Only one already due:
+        no monitor claims a deadline before its time."""
+        now = int(self.world.now.timestamp() * 1000)
+        due = sorted(m for m, score in self.world.members.items() if score <= now)
+        if stale:
+            due = [m for m in due if self._earlier_attempt(Deadline.parse(m))]
+        if due:
+            self.world.locks.zset[data.draw(st.sampled_from(due))] = now
             self.world.advance(0)
+
+    def _earlier_attempt(self, deadline: Deadline) -> bool:
+        row = self.world.rows.get(deadline.step_run_id) if deadline.kind != "run" else None
+        return row is not None and row.status in STEP_IN_FLIGHT and deadline.attempt < row.attempt
+
+    @rule(device=st.sampled_from(DEVICES))
+    def a_lease_runs_out(self, device):
+        """Time passes to just past the lease of the device's holder (its attempt's
+        deadlines are due by then too: the lease outlives them by LEASE_GRACE_SECONDS);
+        the monitor reclaims the lease before it claims deadlines."""
+        lease = self.world.locks.devices[device].lease
+        if lease is not None:
+            now = int(self.world.now.timestamp() * 1000)
+            self.world.advance(max(0, lease - now) / 1000 + 1)
+
+    @rule()
+    def redis_loses_the_locks(self):
+        """Redis restarts without its data: every lock, queue, fence counter and deadline is
+        gone; acquires answer NotReady until the locks are rebuilt from the rows (by the
+        worker that was refused, or the monitor's next tick)."""
+        self.world.locks.lost()
+
+    @rule(data=st.data(), n=st.integers(2, 5))
+    def replies_batched_or_one_at_a_time(self, data, n):
+        """The same replies applied to two copies of the world, once as one batch, once as
+        batches of one in the same order, end in the same state (`world_state`)."""
+        replies = []
+        for _ in range(n):
+            device = data.draw(st.sampled_from(DEVICES))
+            command = self._received(data, device)
+            if command is not None:
+                how = data.draw(st.sampled_from(["ok", "retryable", "error", "ack", "progress"]))
+                replies.append((device, self._reply(how, command["id"])))
+        if replies:
+            self._same_either_way(
+                lambda world: world.replies_apply(replies),
+                lambda world: [world.replies_apply([one]) for one in replies],
+            )
+
+    @rule(seconds=st.sampled_from([3, 10, 31, 61]))
+    def dues_batched_or_one_at_a_time(self, seconds):
+        """The same due deadlines applied as one batch, or each on its own, in claim order."""
+        self._same_either_way(
+            lambda world: world.advance(seconds),
+            lambda world: world.advance(seconds, one_at_a_time=True),
+        )
+
+    def _same_either_way(self, batched, one_at_a_time):
+        world = self.world
+        # A worker dying after its commit is an input of its own: it would strike one of
+        # the transitions of one side only.
+        crash, world.crash_next_publish = world.crash_next_publish, False
+        events, world.events = world.events, []
+        twin = copy.deepcopy(world)
+        world.events, before = events, len(events)
+        seed = random.getstate()  # the same back-off jitter either way
+        batched(world)
+        random.setstate(seed)
+        one_at_a_time(twin)
+        got, want = world_state(world, world.events[before:]), world_state(twin, twin.events)
+        differ = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+        assert not differ, differ
+        world.crash_next_publish = crash
 
     @rule()
     def worker_dies_after_commit(self):
@@ -165,6 +245,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_command_in_flight_per_device(self):
+        """At most one attempt in flight per device, and (while Redis has its lock state)
+        it holds the device's lock under its own fence."""
         for device in DEVICES:
             flying = [
                 r for r in self.world.rows.values() if r.device.name == device and r.status in STEP_IN_FLIGHT
@@ -172,13 +254,33 @@ class EngineMachine(RuleBasedStateMachine):
             assert len(flying) <= 1, f"{device}: {[(r.pk, r.status) for r in flying]}"
             lock = self.world.locks.devices[device]
             for r in flying:
-                assert lock.holder == step_holder(r) and lock.fence == r.fence, (device, lock, r.pk, r.fence)
+                if self.world.locks.ready:
+                    assert lock.holder == step_holder(r) and lock.fence == r.fence, (
+                        device,
+                        lock,
+                        r.pk,
+                        r.fence,
+                    )
 
     @invariant()
     def fences_only_grow(self):
+        """Each attempt is dispatched under a fence above every fence its device gave
+        before (a Redis loss included: the counter is rebuilt from the rows), and each
+        device sees its commands' tokens grow."""
         for device, lock in self.world.locks.devices.items():
-            assert lock.counter >= self.world.fences[device]
-            self.world.fences[device] = lock.counter
+            fences = {
+                (r.pk, r.attempt): r.fence
+                for r in self.world.rows.values()
+                if r.device.name == device and r.fence is not None
+            }
+            seen = self.world.fences[device]
+            for attempt, fence in fences.items():
+                if attempt not in self.seen_fences:
+                    assert fence > seen, (device, attempt, fence, seen)
+                    self.seen_fences.add(attempt)
+            self.world.fences[device] = max([seen, *fences.values()])
+            if self.world.locks.ready:
+                assert lock.counter >= self.world.fences[device], (device, lock, self.world.fences[device])
             tokens = [c["token"] for c in self.world.inbox[device]]
             assert tokens == sorted(tokens) or len(set(c["id"] for c in self.world.inbox[device])) < len(
                 tokens
@@ -201,10 +303,41 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def timeline_matches_rows(self):
+        """Every row's and run's last status event names its status, and terminal events
+        exist exactly for the rows and runs that ended, once each."""
+        steps: dict[int, list[str]] = {}
+        runs: dict = {}
+        for e in self.world.events:
+            status = e.kind.partition(".")[2]
+            if e.kind.startswith("step.") and status in StepStatus.values:
+                steps.setdefault(e.step_run.pk, []).append(status)
+            elif e.kind.startswith("run."):
+                runs.setdefault(e.run_id, []).append(RunStatus.RUNNING if status == "started" else status)
         for pk, row in self.world.rows.items():
-            if row.status in STEP_TERMINAL:
-                kinds = [e.kind for e in self.world.events if e.step_run is not None and e.step_run.pk == pk]
-                assert kinds.count(f"step.{row.status}") == 1, (pk, row.status, kinds)
+            kinds = steps.get(pk, [])
+            assert kinds and kinds[-1] == row.status, (pk, row.status, kinds)
+            ended = [k for k in kinds if k in STEP_TERMINAL]
+            assert ended == ([row.status] if row.status in STEP_TERMINAL else []), (pk, row.status, kinds)
+        for pk, run in self.world.runs.items():
+            kinds = runs.get(pk, [])
+            assert (kinds[-1] if kinds else RunStatus.PENDING) == run.status, (pk, run.status, kinds)
+            ended = [k for k in kinds if k in RUN_TERMINAL]
+            assert ended == ([run.status] if run.status in RUN_TERMINAL else []), (pk, run.status, kinds)
+
+    @invariant()
+    def a_timed_out_attempt_was_due(self):
+        """An attempt no device ended (a deadline or the lease did) ended timed out (or
+        retrying), at or after its own deadline: its ack deadline while unacknowledged,
+        else its done deadline; a device's done never reads as a timeout. A run timed out
+        by its max_duration was past its own deadline."""
+        for end in self.world.attempt_ends:
+            if end.how == "timeout":
+                assert end.status in (StepStatus.TIMED_OUT, StepStatus.RETRYING), end
+                assert end.at >= end.due, end
+            else:
+                assert end.status != StepStatus.TIMED_OUT, end
+        for run_id, at, deadline in self.world.run_time_outs:
+            assert deadline is not None and at >= deadline, (run_id, at, deadline)
 
     def teardown(self):
         """Inputs stop: every device comes back and answers what it holds; every run ends."""
@@ -228,11 +361,13 @@ class EngineMachine(RuleBasedStateMachine):
         ]
 
 
+# A longer search by hand: IOTQUEUE_SIMULATION_EXAMPLES=4000 IOTQUEUE_SIMULATION_STEPS=40.
 EngineMachine.TestCase.settings = settings(
-    max_examples=300,
-    stateful_step_count=30,
+    max_examples=int(os.environ.get("IOTQUEUE_SIMULATION_EXAMPLES", "300")),
+    stateful_step_count=int(os.environ.get("IOTQUEUE_SIMULATION_STEPS", "30")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,  # a failure prints `@reproduce_failure(...)`, which replays it
 )
 test_engine_simulation = EngineMachine.TestCase
 
@@ -330,3 +465,77 @@ def test_a_run_past_its_max_duration_times_out_and_hands_its_device_on():
     assert world.rows[first["pk"]].status == StepStatus.TIMED_OUT
     handed = world.inbox["d0"][1]
     assert world.rows[handed["pk"]].run_id == waiting.pk and handed["token"] > first["token"]
+
+
+def test_a_batch_queues_a_run_s_next_step_before_a_later_reply_hands_its_device_on():
+    # Found by this simulation: the lock call made every release before any new row asked,
+    # so a device went to the waiter already queued where, one reply at a time, the next
+    # step of a higher priority run would have been queued ahead of it (planner.locks_order).
+    # given run A (priority 9) on d1 then d0, run B holding d0, run C (priority 5) waiting for d0
+    world = World()
+    a = world.run_new([("d1", OnFailure.ABORT, 1), ("d0", OnFailure.ABORT, 1)], 9)
+    b = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    c = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    for run in (a, b, c):
+        world.start(run.pk)
+    replies = [
+        ("d1", reply("done", world.inbox["d1"][0]["id"], ok=True)),  # A moves on to d0
+        ("d0", reply("done", world.inbox["d0"][0]["id"], ok=True)),  # B lets d0 go
+    ]
+    twin = copy.deepcopy(world)
+    before = len(world.events)
+
+    # when A's and B's dones are applied as one batch, and (to the twin) one at a time
+    world.replies_apply(replies)
+    for one in replies:
+        twin.replies_apply([one])
+
+    # then both end alike: A's step holds d0
+    assert world_state(world, world.events[before:]) == world_state(twin, twin.events[before:])
+
+
+def test_a_lease_that_runs_out_ends_its_attempt_as_timed_out_and_hands_the_device_on():
+    # given a step holding d0 whose device never answers, and another run waiting for d0
+    world = World()
+    stuck = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    waiting = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    world.start(stuck.pk)
+    world.start(waiting.pk)
+    first = world.inbox["d0"][0]
+
+    # when the monitor's next tick comes after the lease ran out (its deadline is due too)
+    world.advance(61)
+
+    # then the lease was reclaimed first: the attempt timed out, after its own deadline,
+    # and d0 went to the waiting run under a higher fence
+    row = world.rows[first["pk"]]
+    assert (row.status, row.error) == (StepStatus.TIMED_OUT, "device lock lease expired")
+    assert world.attempt_ends[-1].at >= world.attempt_ends[-1].due
+    handed = world.inbox["d0"][1]
+    assert world.rows[handed["pk"]].run_id == waiting.pk and handed["token"] > first["token"]
+    assert world.locks.devices["d0"].holder == f"step:{handed['pk']}"
+
+
+def test_after_redis_lost_the_locks_they_are_rebuilt_from_the_rows_and_fences_keep_growing():
+    # given a step executing on d0 under fence 1 and another queued for d0
+    world = World()
+    executing = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    queued = world.run_new([("d0", OnFailure.ABORT, 1)], 5)
+    world.start(executing.pk)
+    world.start(queued.pk)
+    first = world.inbox["d0"][0]
+
+    # when Redis loses every lock and deadline, and a new run asks for d1
+    world.locks.lost()
+    other = world.run_new([("d1", OnFailure.ABORT, 1)], 5)
+    world.start(other.pk)
+
+    # then its acquire was refused (NotReady), the locks rebuilt from the rows (the
+    # executing step holds d0 again, its deadlines are back) and d1 granted after that
+    assert world.locks.ready and world.locks.devices["d0"].holder == f"step:{first['pk']}"
+    assert f"done:{first['pk']}:1" in world.locks.zset
+    assert world.inbox["d1"] and world.rows[world.inbox["d1"][0]["pk"]].run_id == other.pk
+    # and d0's next holder, the queued step asking again, gets a fence above the lost one
+    world.replies_apply([("d0", reply("done", first["id"], ok=True))])
+    assert world.inbox["d0"][1]["token"] > first["token"]
+    assert world.runs[executing.pk].status == RunStatus.SUCCEEDED
