@@ -298,7 +298,8 @@ class LockBatch:
     handing its device to the head of the queue) and acquires for the steps that start,
     with writes to a sorted set (the jobs app's deadlines) that depend on whether each
     acquire was granted: one round trip instead of two per step. Add the releases before
-    the acquires, so a device released and acquired in one batch serves its queue first.
+    the acquires they make way for, so a device released and acquired in one batch serves its
+    queue first (the jobs app orders them as its inputs would come one at a time).
     The single operations (`device_lock_acquire` ...) are batches of one.
 
     The sorted set is sharded like the locks: an acquire's conditional writes go to its
