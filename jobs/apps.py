@@ -7,7 +7,7 @@ from django.utils.translation import gettext_lazy as _
 # The modules that declare the step engine's kinds with jobs/engine/kinds.py's decorators:
 # step kinds, row owners, failure policies, deadline kinds. `ready` imports them, then checks.
 KIND_MODULES = (
-    "jobs.engine.start",  # command
+    "jobs.engine.command",  # command
     "jobs.engine.waits",  # delay, wait_online (and its resume on presence); the `wake` deadline
     "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
     "jobs.engine.taskstep",  # task

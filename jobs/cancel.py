@@ -6,8 +6,7 @@ from __future__ import annotations
 from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
 
-from .engine.batch import attempt_end_apply, run_cancel_apply, run_time_out_apply
-from .engine.dispatch import step_acquire
+from .engine.batch import attempt_end_apply, rows_start, run_cancel_apply, run_time_out_apply
 from .engine.kinds import run_deadline
 from .engine.plan import holder_step_id
 from .events import event_record
@@ -74,5 +73,5 @@ def lock_force_release(*, device: Device, by: str) -> str | None:
         return state.holder
     device_lock_pass_on(device.name, holder=state.holder, fence=state.fence or 0, force=True)
     if step_run is not None and step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)  # granted but not sent yet (e.g. spaced): back in the queue
+        rows_start([step_run.pk])  # granted but not sent yet (e.g. spaced): back in the queue
     return state.holder

@@ -5,7 +5,6 @@ from __future__ import annotations
 from django.db import transaction
 
 from .engine.batch import rows_start
-from .engine.dispatch import step_acquire
 from .engine.kinds import row_resume_handler
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepRun, StepStatus
@@ -48,7 +47,7 @@ def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
     if resume is not None:
         resume(step_run=step_run)
     else:
-        step_acquire(step_run=step_run, quiet=quiet)
+        rows_start([step_run.pk], quiet=quiet)
 
 
 @transaction.atomic

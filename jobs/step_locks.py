@@ -19,8 +19,7 @@ from devices.lock_recovery import LockRecord
 from devices.locks import Grant, device_lock_pass_on
 
 from .deadlines import Deadline, deadlines_set
-from .engine.batch import attempt_end_apply
-from .engine.dispatch import step_acquire
+from .engine.batch import attempt_end_apply, rows_start
 from .engine.plan import holder_step_id, lease_seconds, step_holder, step_spec
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepRun, StepStatus
@@ -57,7 +56,7 @@ def step_lease_expired(device: str, grant: Grant) -> None:
     )
     device_lock_pass_on(device, holder=grant.holder, fence=grant.fence)
     if step_run is not None and step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)  # was granted but never dispatched: queue again
+        rows_start([step_run.pk])  # was granted but never dispatched: queue again
 
 
 def step_lock_records() -> Iterator[LockRecord]:

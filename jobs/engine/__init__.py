@@ -6,30 +6,30 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  call: end the attempts, move the runs on, start and dispatch the next
                  steps, hand freed devices to their next waiters, then publish
     planner.py   what such a batch decides (run starts, every reply, due deadlines,
-                 cancels), as a plan of writes, lock operations, deadlines and
-                 commands; no I/O
+                 cancels, rows taking their locks, hand-offs), as a plan of writes,
+                 lock operations, deadlines and commands; no I/O
     progress.py  what a step row keeps of an ack or progress, and which are events
     runs.py      how a step's final outcome decides its run (`run_next`, which the planner
                  asks); the general path's continuation of what a plan leaves (a
                  rollback, fan-out and compensation rows, other step kinds)
     attempts.py  how an attempt ends (`attempt_outcome`) or is extended
-                 (`attempt_extension`); a back-off's requeue and a queue timeout of the
-                 rows a plan does not dispatch
-    start.py     starting the step at a run's cursor by kind, for the kinds a plan does
-                 not start (kinds.py)
+                 (`attempt_extension`)
+    start.py     starting the step at a run's cursor by kind, for the steps a plan does
+                 not start (kinds.py): its row, which then takes its lock as a plan
+                 (`batch.rows_start`)
     publish.py   the commands a task published without waiting for the broker, confirmed
                  before it ends (`Publications`)
-    dispatch.py  a new attempt's fields and deadlines (`attempt_new`), a command's message;
-                 the general path's lock and dispatch of the rows a plan does not dispatch
-                 (a task step's, a row without a device)
+    dispatch.py  a new attempt's fields and deadlines (`attempt_new`), a command's message,
+                 sending and re-sending an attempt
     kinds.py     the kinds' registry: what each step kind, row owner, failure policy and
                  deadline kind declared; the stages ask it instead of testing a kind
     plan.py      what a step row executes (spec, target, args, ids); no writes
 
 Each kind declares itself with a decorator of kinds.py where it is defined: the command in
-start.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py, a
+command.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py, a
 registered Celery task as a step in taskstep.py, the `rollback` failure policy and its
-compensation rows in rollback.py; due.py handles the deadline kinds a plan does not. jobs/apps.py
+compensation rows in rollback.py; due.py handles the deadline kinds a plan does not.
+The kind modules sit above batch.py: a row they make takes its lock through it. jobs/apps.py
 imports those modules (`KIND_MODULES`) when the app loads and checks that every kind is
 declared once (`kinds.kinds_check`); importing this package loads nothing.
 Imports point down this list (a module imports only those below it, never the reverse),

@@ -8,7 +8,7 @@ while the step is in flight and releases the device lock to the next waiter. A f
 attempt with budget left goes to `retrying` with an exponential, jittered back-off held in
 the deadline set (never a Celery countdown); otherwise the step row ends. While an attempt
 is in flight its device may push its deadline out (`attempt_extension`), up to the step's
-maximum. Also here: a step queued again after its back-off, or timed out in the queue.
+maximum.
 """
 
 from __future__ import annotations
@@ -18,17 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.utils import timezone
-
-from devices.locks import device_lock_dequeue
-
 from ..choices import DEFAULT_MAX_EXTEND_SECONDS
 from ..deadlines import Deadline
-from ..events import event_record
 from ..models import StepRun, StepStatus
-from .dispatch import dispatch_if_holding, step_acquire
 from .kinds import row_behaviour
-from .plan import LEASE_GRACE_SECONDS, step_holder, step_spec
+from .plan import LEASE_GRACE_SECONDS, step_spec
 
 # Longest back-off between attempts, whatever the step's base and attempt count say.
 BACKOFF_MAX_SECONDS = 3600.0
@@ -93,48 +87,6 @@ def attempt_deadlines(step_run: StepRun, outcome: Outcome) -> tuple[list[Deadlin
     cleared = [Deadline.of(kind, step_run) for kind in ATTEMPT_DEADLINES]
     retry = {Deadline.of("retry", step_run): outcome.changes["deadline"]} if outcome.retry else {}
     return cleared, retry
-
-
-def step_requeue(*, step_run: StepRun) -> None:
-    """Back-off over: wait for the device's lock again for the next attempt."""
-    spec = step_spec(step_run)
-    now = timezone.now()
-    deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
-    if not StepRun.objects.filter(
-        pk=step_run.pk, status=StepStatus.RETRYING, attempt=step_run.attempt
-    ).update(status=StepStatus.QUEUED, queued_at=now, deadline=deadline):
-        return
-    step_run.status, step_run.queued_at, step_run.deadline = StepStatus.QUEUED, now, deadline
-    event_record("step.queued", step_run=step_run, message=f"for attempt {step_run.attempt + 1}")
-    step_acquire(step_run=step_run)
-
-
-def step_queue_timeout(*, step_run: StepRun) -> bool:
-    """Waited too long for a busy or offline device: the step times out (True).
-
-    Unless the step holds the device's lock already (its hand-off was lost with a killed
-    worker): then it is dispatched now instead (False). A step without a device waits for
-    nothing: its dispatch was lost, and it is dispatched now (False).
-    """
-    if step_run.device_id is None:
-        step_acquire(step_run=step_run)
-        return False
-    if dispatch_if_holding(step_run):
-        return False
-    spec = step_spec(step_run)
-    error = row_behaviour(step_run).queue_timeout_error.format(
-        device=step_run.device.name,
-        seconds=spec["queue_timeout_seconds"],
-        why="offline" if not step_run.device.reachable else "busy",
-    )
-    if not StepRun.objects.filter(pk=step_run.pk, status=StepStatus.QUEUED, attempt=step_run.attempt).update(
-        status=StepStatus.TIMED_OUT, error=error, finished_at=timezone.now()
-    ):
-        return False
-    device_lock_dequeue(step_run.device.name, holder=step_holder(step_run))
-    step_run.status, step_run.error = StepStatus.TIMED_OUT, error
-    event_record("step.timed_out", step_run=step_run, message=error)
-    return True
 
 
 @dataclass(frozen=True)

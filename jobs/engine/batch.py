@@ -84,8 +84,8 @@ from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStat
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
-from .dispatch import cancel_command_send, step_acquire, step_dispatch
-from .kinds import row_batched
+from .dispatch import cancel_command_send
+from .kinds import PLANNED_DEADLINES, row_batched
 from .plan import RUN_ACTIVE, command_id_step, step_holder
 from .planner import Plan, RowWrite
 from .runs import run_continue, run_finish, run_step_done, run_step_enter
@@ -251,8 +251,8 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     (planner.dues_plan). Returns the deadlines left to the
     one-at-a-time handlers (jobs/engine/due.py): other kinds, rows a plan does not decide,
     and all of them when the batch kept conflicting."""
-    planned = [d for d in deadlines if d.kind in planner.PLANNED_DEADLINES]
-    left = [d for d in deadlines if d.kind not in planner.PLANNED_DEADLINES]
+    planned = [d for d in deadlines if d.kind in PLANNED_DEADLINES]
+    left = [d for d in deadlines if d.kind not in PLANNED_DEADLINES]
     if not planned:
         return left
     ids = {d.step_run_id for d in planned}
@@ -264,7 +264,7 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     asked = {
         rows[d.step_run_id].device.name
         for d in planned
-        if d.kind == "dispatch" and d.step_run_id in rows and rows[d.step_run_id].device_id
+        if d.kind in ("dispatch", "queue") and d.step_run_id in rows and rows[d.step_run_id].device_id
     }
     holders = (
         {
@@ -389,46 +389,55 @@ def step_handoff(device: str, grant: Grant) -> None:
 ROWS_START_BATCH = 500
 
 
-def rows_start(step_run_ids: list[int]) -> None:
-    """Take the device locks of queued rows (a fan-out's pump) as batched transitions of
-    ROWS_START_BATCH rows: one lock call for them all, the granted rows dispatched in one
-    transaction, their commands published together; a busy or offline device's row waits
-    as `step_acquire` would make it wait, and one of a device with flow control keeps the
-    lock until it may be sent (`step.spaced`); a row without a device (a task step with no
-    target) is dispatched at once. A row of a kind a plan does not dispatch takes the
-    general path (`step_acquire`); so does every row of a batch in which one moved
-    (canceled) before its dispatch was written.
+def rows_start(step_run_ids: list[int], *, quiet: bool = False) -> None:
+    """Take the device locks of queued rows as batched transitions of ROWS_START_BATCH rows
+    (a fan-out's pump, devices back online, a row started or queued again): one lock call
+    for them all, the granted rows dispatched in one transaction, their attempts sent
+    together. A busy device's row waits in its queue and an offline device's outside it
+    (`step.waiting`, unless `quiet`: the monitor's sweep asking again), one of a device
+    with flow control keeps the lock until it may be sent (`step.spaced`), and a row
+    without a device (a task step with no target) is dispatched at once. Rows that moved
+    meanwhile (ended, canceled) are left alone; a batch in which one moved before its
+    dispatch was written is applied again as batches of one.
     """
     for first in range(0, len(step_run_ids), ROWS_START_BATCH):
-        _rows_start(step_run_ids[first : first + ROWS_START_BATCH])
+        _rows_start(step_run_ids[first : first + ROWS_START_BATCH], quiet=quiet)
 
 
-def _rows_start(step_run_ids: list[int]) -> None:
+def _rows_start(step_run_ids: list[int], *, quiet: bool, retries: int = CONFLICT_RETRIES) -> None:
     order = {pk: n for n, pk in enumerate(step_run_ids)}
     rows = sorted(
         rows_select(StepRun, "id", step_run_ids, related=("run", "device")), key=lambda r: order[r.pk]
     )
     # In the caller's order: a device's rows join its queue in it (oldest first).
     rows = [row for row in rows if row.status == StepStatus.QUEUED and row.run.status in RUN_ACTIVE]
-    general, batched = [], []
-    for row in rows:
-        (batched if row_batched(row) else general).append(row)
+    for row in [row for row in rows if not row_batched(row)]:
+        log.warning("step %s is of a kind that takes no lock; not started here", row.pk)
+        rows.remove(row)
+    if not rows:
+        return
     batch = _Batch({})
     batch.dispatch_conflict = BatchConflict
-    batch.plan.waits.update(device_flow_waits([row.device for row in batched if row.device_id]))
+    batch.plan.quiet = quiet
+    batch.plan.waits.update(device_flow_waits([row.device for row in rows if row.device_id]))
 
     def prepare() -> None:
-        for row in batched:
+        for row in rows:
             planner.row_acquire(batch.plan, row)
 
     def one_at_a_time() -> None:
-        for row in batched:
-            _safely(partial(step_acquire, step_run=row))
+        for row in rows:
+            _safely(partial(_rows_start, [row.pk], quiet=quiet, retries=0))
 
-    if batched:
+    def given_up() -> None:
+        log.warning("step %s kept moving while it was started; the monitor's sweep asks again", rows[0].pk)
+
+    if retries > 0 and len(rows) > 1:
         _transition(batch, prepare, one_at_a_time, "starting its rows one at a time")
-    for row in general:
-        _safely(partial(step_acquire, step_run=row))
+    elif retries > 0:
+        _transition(batch, prepare, partial(_rows_start, [rows[0].pk], quiet=quiet, retries=0), "again")
+    else:
+        _transition(batch, prepare, given_up, "leaving it to the sweep")
 
 
 def run_begin(*, run_id: str) -> None:
@@ -497,7 +506,7 @@ def run_step_done_failed(*, run: JobRun, index: int, status: str, error: str) ->
 LATER_WORK: dict[str, Callable[..., None]] = {
     "continue": run_continue,
     "enter": run_step_enter,
-    "dispatch": step_dispatch,
+    "pass_on": lambda *, device, holder, fence: device_lock_pass_on(device, holder=holder, fence=fence),
     "handoff": lambda *, device, grant: device_lock_handoff(device, grant),
     "policy": run_step_done_failed,
 }

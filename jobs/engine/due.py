@@ -1,15 +1,15 @@
 """Due deadlines: what the monitor's claim of a deadline does, by kind (jobs/deadlines.py).
 
-`ack` and `done` time an attempt out as a plan (jobs/engine/planner.py `dues_plan`: no
-handler), and so does `retry` for the rows a plan dispatches. Every other kind has one
-handler, declared with `@kinds.deadline_handler` beside what it acts on: `retry` of other
-rows, `send`, `queue` and `dispatch` here, `wake` with the delay step (waits.py), `pump`
-with the fan-out (fanout.py). A step kind may take over every due deadline of its rows
-(`@kinds.row_deadline`: a delay ends whatever found it due). A handler acts only if the
-step is still where the deadline expected it (same attempt, the status the deadline
-guards): a deadline that fires late, twice, or after its step moved on changes nothing.
-Kinds that name a run (`run`: max_duration) have their handler declared by the module that
-owns the action (`@kinds.run_deadline`, jobs/cancel.py), which checks the run likewise.
+`ack`, `done`, `retry`, `dispatch` and `queue` are planned (jobs/engine/planner.py
+`dues_plan`, applied by `batch.deadlines_apply`: no handler). The other kinds have one
+handler each, declared with `@kinds.deadline_handler` beside what it acts on: `send` here,
+`wake` with the delay step (waits.py), `pump` with the fan-out (fanout.py). A step kind
+may take over every due deadline of its rows (`@kinds.row_deadline`: a delay ends whatever
+found it due). A handler acts only if the step is still where the deadline expected it
+(same attempt, the status the deadline guards): a deadline that fires late, twice, or
+after its step moved on changes nothing. Kinds that name a run (`run`: max_duration) have
+their handler declared by the module that owns the action (`@kinds.run_deadline`,
+jobs/cancel.py), which checks the run likewise.
 """
 
 from __future__ import annotations
@@ -19,36 +19,16 @@ import logging
 from django.db import transaction
 
 from ..deadlines import RUN_KINDS, Deadline
-from ..models import StepRun, StepStatus
-from .attempts import step_queue_timeout, step_requeue
+from ..models import StepRun
 from .batch import deadlines_apply
-from .dispatch import command_resend, dispatch_if_holding
+from .dispatch import command_resend
 from .kinds import REGISTRY, deadline_handler
 from .plan import spec_kind
-from .runs import run_continue
 
 
 @deadline_handler("send")
 def _send_due(step_run: StepRun, deadline: Deadline) -> None:
     command_resend(step_run=step_run, attempt=deadline.attempt)
-
-
-@deadline_handler("retry")
-def _retry_due(step_run: StepRun, deadline: Deadline) -> None:
-    if step_run.status == StepStatus.RETRYING:
-        step_requeue(step_run=step_run)
-
-
-@deadline_handler("queue")
-def _queue_due(step_run: StepRun, deadline: Deadline) -> None:
-    if step_run.status == StepStatus.QUEUED and step_queue_timeout(step_run=step_run):
-        run_continue(step_run=step_run)
-
-
-@deadline_handler("dispatch")
-def _dispatch_due(step_run: StepRun, deadline: Deadline) -> None:
-    if step_run.status == StepStatus.QUEUED:
-        dispatch_if_holding(step_run)
 
 
 log = logging.getLogger(__name__)

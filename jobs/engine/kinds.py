@@ -28,10 +28,11 @@ from .plan import FANOUT, spec_kind, step_spec
 
 # Failure policies the run's continuation handles itself (jobs/engine/runs.py).
 BUILT_IN_POLICIES = (OnFailure.ABORT, OnFailure.CONTINUE)
-# Deadline kinds that time an attempt out: the planner decides them for every row
-# (jobs/engine/planner.py `dues_plan`), so they have no handler; a kind that takes its
-# rows' deadlines over (`row_deadline`) still gets them.
-ANSWER_DEADLINES = ("ack", "done")
+# Deadline kinds the planner decides for every row (jobs/engine/planner.py `dues_plan`):
+# an attempt's `ack` and `done`, a back-off's `retry`, a spaced or lost `dispatch`, a
+# `queue` wait. They have no handler; a kind that takes its rows' deadlines over
+# (`row_deadline`: a delay) still gets them.
+PLANNED_DEADLINES = ("ack", "done", "retry", "dispatch", "queue")
 
 StepStarter = Callable[[JobRun, int], None]  # raises start.StepRefused
 RowEnded = Callable[[StepRun], None]
@@ -53,9 +54,9 @@ class StepKindBehaviour:
     batched_start: bool = False
     # A plan may dispatch the kind's rows when they have their lock (or need none), and
     # the executor sends their attempts after the commit (a command, or the kind's
-    # `attempt_sender`); any other row is dispatched the general way (dispatch.step_dispatch).
+    # `attempt_sender`); a kind whose rows dispatch nothing (delay, wait_online) says no.
     batched_dispatch: bool = False
-    # How a row fails that waited past its queue deadline (attempts.step_queue_timeout).
+    # How a row fails that waited past its queue deadline (planner.dues_plan).
     queue_timeout_error: str = "waited {seconds}s for device {device} ({why})"
     # Why a device's request to extend an attempt is refused whatever it asks; "" = it may.
     extend_refused: str = ""
@@ -207,7 +208,7 @@ def kinds_expected() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     steps = (*StepKind.values, FANOUT)
     phases = tuple(phase for phase in Phase.values if phase != Phase.FORWARD)
     policies = tuple(policy for policy in OnFailure.values if policy not in BUILT_IN_POLICIES)
-    step_deadlines = tuple(kind for kind in KINDS if kind not in (*RUN_KINDS, *ANSWER_DEADLINES))
+    step_deadlines = tuple(kind for kind in KINDS if kind not in (*RUN_KINDS, *PLANNED_DEADLINES))
     return {
         "step_kinds": (steps, steps),
         "row_ended": (phases, (*phases, *steps)),

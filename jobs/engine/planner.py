@@ -59,8 +59,8 @@ from ..rows import row_new
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .kinds import (
-    ANSWER_DEADLINES,
     row_batched,
+    row_behaviour,
     row_commanded,
     row_deadline_handler,
     row_ended_handler,
@@ -97,10 +97,11 @@ DISPATCH_FIELDS = [
     "progress_messages",
 ]
 RUN_FINISH_FIELDS = ["cursor", "status", "error", "finished_at"]
-# Deadline kinds `dues_plan` decides (ack and done for every row whose kind does not take
-# its deadlines over, retry and dispatch for the rows a plan dispatches); the others are
-# handled one at a time (jobs/engine/due.py).
-PLANNED_DEADLINES = (*ANSWER_DEADLINES, "retry", "dispatch")
+# A step handed its device's lock before its row was committed is looked at again after
+# this long (the creating transaction takes milliseconds).
+UNCOMMITTED_ROW_RETRY_SECONDS = 0.5
+# Fields a queue timeout writes.
+QUEUE_TIMEOUT_FIELDS = ["status", "error", "finished_at"]
 
 
 @dataclass
@@ -151,6 +152,7 @@ class Plan:
     cancels: list[StepRun] = field(default_factory=list)  # their device is sent a `cancel`
     run_deadlines: dict[Deadline, datetime] = field(default_factory=dict)  # after the commit
     rebuild: bool = False  # Redis lost the locks: rebuild them after the commit
+    quiet: bool = False  # no `step.waiting` events (the monitor's sweep asking again)
     # Facts: seconds until each flow-controlled device may get its next command (the
     # executor reads them for the devices a stage may dispatch to: devices.flow).
     waits: dict[str, float] = field(default_factory=dict)
@@ -353,22 +355,26 @@ def dues_plan(
 ) -> None:
     """Due `ack` / `done` deadlines time their attempt out (retried while it has budget),
     a due `retry` queues the step again for the device's lock, a due `dispatch` (flow
-    control's, or a hand-off's that was lost) dispatches a queued row that holds its
-    device's lock (`holders`: the lock's holder per device, read for them) as a hand-off
-    would; a deadline that no longer matches its row (another attempt, another status)
-    changes nothing. A `done` whose row says later (the device extended the attempt) is
-    watched again at the row's deadline."""
+    control's, or a hand-off's that was lost) or `queue` dispatches a queued row that holds
+    its device's lock (`holders`: the lock's holder per device, read for them) as a
+    hand-off would, and a `queue` whose row holds nothing times it out (it waited too long
+    for a busy or offline device); a deadline that no longer matches its row (another
+    attempt, another status) changes nothing. A `done` whose row says later (the device
+    extended the attempt) is watched again at the row's deadline. A kind that takes its
+    rows' deadlines over (a delay) is left to its handler (`plan.unplanned`)."""
     timing_out: list[StepRun] = []
     requeued: list[StepRun] = []
+    queue_timed_out: list[StepRun] = []
     seen: set[int] = set()
     for deadline in deadlines:
         row = rows.get(deadline.step_run_id)
         if row is None or row.attempt != deadline.attempt or row.pk in seen:
             continue
-        dispatching = deadline.kind in ("retry", "dispatch")
-        if row_deadline_handler(row) is not None or (dispatching and not _kind_planned(row)):
+        if row_deadline_handler(row) is not None:
             plan.unplanned.append(deadline)
             continue
+        if deadline.kind in ("retry", "dispatch") and not _kind_planned(row):
+            continue  # a kind that dispatches nothing (wait_online) is never retried or spaced
         answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
         if deadline.kind in ("ack", "done") and row.status in answering:
             if deadline.kind == "done" and row.deadline is not None and row.deadline > plan.now:
@@ -389,14 +395,16 @@ def dues_plan(
             requeued.append(row)
             row_acquire(plan, row)
             seen.add(row.pk)
-        elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED and row.device_id is None:
-            row_acquire(plan, row)  # a row without a device whose dispatch was lost: now
+        elif deadline.kind in ("dispatch", "queue") and row.status == StepStatus.QUEUED:
             seen.add(row.pk)
-        elif deadline.kind == "dispatch" and row.status == StepStatus.QUEUED:
-            grant = (holders or {}).get(row.device.name)
-            if grant is not None and grant.holder == step_holder(row):
-                plan.handed.append((row.device.name, grant))
-                seen.add(row.pk)
+            grant = (holders or {}).get(row.device.name) if row.device_id is not None else None
+            if row.device_id is None and _kind_planned(row):
+                row_acquire(plan, row)  # a row without a device whose dispatch was lost: now
+            elif grant is not None and grant.holder == step_holder(row):
+                plan.handed.append((row.device.name, grant))  # it holds the lock: dispatched
+            elif deadline.kind == "queue":
+                _queue_time_out(plan, row)
+                queue_timed_out.append(row)
     plan.write(
         StepRun,
         requeued,
@@ -406,6 +414,31 @@ def dues_plan(
         conflict="a retrying step moved meanwhile",
     )
     _attempts_write(plan, timing_out)
+    plan.write(
+        StepRun,
+        queue_timed_out,
+        QUEUE_TIMEOUT_FIELDS,
+        status_in=(StepStatus.QUEUED,),
+        match="attempt",
+        conflict="a queued step moved meanwhile",
+    )
+
+
+def _queue_time_out(plan: Plan, row: StepRun) -> None:
+    """A row that waited past its queue deadline for a busy or offline device (or one that
+    never came online) times out: it leaves the device's queue, and its run moves on."""
+    spec = step_spec(row)
+    error = row_behaviour(row).queue_timeout_error.format(
+        device=row.device_name,
+        seconds=spec["queue_timeout_seconds"],
+        why="offline" if row.device_id is not None and not row.device.reachable else "busy",
+    )
+    row.status, row.error, row.finished_at = StepStatus.TIMED_OUT, error, plan.now
+    if row.device_id is not None:
+        plan.dequeues.add(plan.locks.dequeue(row.device.name, holder=step_holder(row)))
+    plan.events.add("step.timed_out", step_run=row, message=error)
+    changes = {"status": row.status, "error": error, "finished_at": plan.now}
+    plan.ended.append((row, Outcome(StepStatus.TIMED_OUT, changes, False, error)))
 
 
 def _kind_planned(row: StepRun) -> bool:
@@ -628,10 +661,12 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
         plan.zset_add(attempt.deadlines)
         _dispatch(plan, row, attempt, None)
         return
-    queue = {Deadline.of("queue", row).member: deadline_score(row.deadline)}
+    queued = {Deadline.of("queue", row): row.deadline} if row.deadline is not None else {}
+    queue = {d.member: deadline_score(when) for d, when in queued.items()}
     if not row.device.reachable:
-        plan.zset_add({Deadline.of("queue", row): row.deadline})
-        plan.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
+        plan.zset_add(queued)
+        if not plan.quiet:
+            plan.events.add("step.waiting", step_run=row, message=f"device {row.device.name} is offline")
         return
     wait = plan.waits.get(row.device.name, 0.0)
     if wait > 0:
@@ -703,7 +738,7 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
             _spaced(plan, row)
         elif isinstance(outcome, Grant):
             _dispatch(plan, row, attempt, outcome.fence)
-        elif isinstance(outcome, Queued):
+        elif isinstance(outcome, Queued) and not plan.quiet:
             plan.events.add("step.waiting", step_run=row, message=f"device busy, position {outcome.position}")
         elif isinstance(outcome, NotReady):
             plan.rebuild = True
@@ -720,8 +755,10 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
     executor applies before the commit. One of the batch's own new rows (queued by its
     acquire, then handed the device by a later release: `locks_order`) is dispatched the
     same way and inserted dispatched. A device whose next command is not due yet keeps it
-    with a `dispatch` deadline; a holder of another kind, a row that moved on and a kind a
-    plan does not dispatch are dispatched the general way."""
+    with a `dispatch` deadline. A holder of another kind is started by its grant handler
+    after the commit; a row that moved on (ended, canceled, its run over) passes the lock
+    on after the commit (unless it holds it already in flight under this fence: a grant
+    told twice), and a row not committed yet is looked at again shortly (`dispatch`)."""
     writes = LockBatch()
     new = {row.pk: row for row in plan.new_rows}
     for device, grant in plan.handed:
@@ -730,13 +767,16 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
         if step_id is None:
             plan.later_add("handoff", device=device, grant=grant)
             continue
-        if (
-            row is None
-            or row.status != StepStatus.QUEUED
-            or row.run.status not in RUN_ACTIVE
-            or not row_batched(row)
-        ):
-            plan.later_add("dispatch", step_run_id=step_id, fence=grant.fence)
+        if row is None:
+            # Handed the lock before the transaction that created the row committed (two
+            # batches at once): look again shortly. A row that never commits keeps the lock
+            # until its lease runs out and the monitor passes it on.
+            retry_at = plan.now + timedelta(seconds=UNCOMMITTED_ROW_RETRY_SECONDS)
+            plan.zset_add({Deadline("dispatch", step_id, 0, device): retry_at})
+            continue
+        if row.status != StepStatus.QUEUED or row.run.status not in RUN_ACTIVE or not row_batched(row):
+            if not (row.status in STEP_IN_FLIGHT and row.fence == grant.fence):
+                plan.later_add("pass_on", device=device, holder=grant.holder, fence=grant.fence)
             continue
         wait = plan.waits.get(device, 0.0)
         if wait > 0:

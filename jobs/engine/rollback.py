@@ -14,7 +14,7 @@ from django.utils import timezone
 from .. import templating
 from ..events import event_record
 from ..models import STEP_TERMINAL, JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
-from .dispatch import step_acquire
+from .batch import rows_start
 from .kinds import failure_policy, row_ended, spec_behaviour
 from .plan import step_args
 from .start import step_row_create
@@ -72,7 +72,7 @@ def compensation_next(*, run: JobRun) -> None:
             phase=Phase.COMPENSATION,
         )
         if step_run.status == StepStatus.QUEUED:
-            step_acquire(step_run=step_run)
+            rows_start([step_run.pk])
         return
     _rollback_finish(run, compensations)
 

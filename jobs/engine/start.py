@@ -19,9 +19,8 @@ from devices.models import Device
 
 from .. import templating
 from ..events import event_record
-from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
-from .dispatch import step_acquire
-from .kinds import spec_behaviour, step_kind
+from ..models import JobRun, Phase, StepRun, StepStatus
+from .kinds import spec_behaviour
 from .plan import step_args, step_target
 
 
@@ -36,15 +35,6 @@ class StepRefused(Exception):
 def step_start(*, run: JobRun, index: int) -> None:
     """Start the run's step at `index` by its kind; raises StepRefused."""
     spec_behaviour(run.plan[index]).start(run, index)
-
-
-# The batched transition (jobs/engine/batch.py) starts and dispatches plain commands only.
-@step_kind(StepKind.COMMAND, batched_start=True, batched_dispatch=True)
-def command_start(run: JobRun, index: int) -> None:
-    """A command step on one device: its queued row, then the device's lock."""
-    step_run = step_row_start(run, index)
-    if step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)
 
 
 def step_row_start(run: JobRun, index: int) -> StepRun:
@@ -95,6 +85,6 @@ def step_row_create(
             run=run, phase=phase, index=index, device=device
         )
     step_run.run = run
-    # Its queue deadline goes to Redis only if it has to wait (step_acquire): most steps get
+    # Its queue deadline goes to Redis only if it has to wait (batch.rows_start): most steps get
     # their device at once. Should this process die first, the database sweep finds the row.
     return step_run

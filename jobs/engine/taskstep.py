@@ -30,7 +30,7 @@ from ..events import event_record
 from ..inbox import replies_enqueue
 from ..models import STEP_IN_FLIGHT, JobRun, StepKind, StepRun, StepStatus
 from ..tasksteps import step_task_call
-from .dispatch import step_acquire
+from .batch import rows_start
 from .kinds import attempt_sender, step_kind
 from .plan import step_args, step_spec
 from .start import StepRefused, step_row_create, step_row_start
@@ -57,7 +57,7 @@ def task_start(run: JobRun, index: int) -> None:
             raise StepRefused("", str(exc)) from None
         step_run = step_row_create(run=run, index=index, device=None, action=spec["action"], args=args)
     if step_run.status == StepStatus.QUEUED:
-        step_acquire(step_run=step_run)
+        rows_start([step_run.pk])
 
 
 @attempt_sender(StepKind.TASK)

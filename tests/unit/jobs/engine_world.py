@@ -18,6 +18,7 @@ from devices.locks import Grant, LockBatch, NotReady, Queued
 from devices.models import Device
 from jobs.deadlines import Deadline
 from jobs.engine import planner
+from jobs.engine.kinds import PLANNED_DEADLINES
 from jobs.engine.plan import holder_step_id, lease_seconds, step_holder, step_spec
 from jobs.models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
 from jobs.step_locks import DEADLINE_KIND_FOR_STATUS
@@ -379,31 +380,29 @@ class World:
                     planner.run_time_out_plan(plan, self.run_read(run_id), rows)
 
                 self.apply(timed_out)
-        planned = [d for d in deadlines if d.kind in planner.PLANNED_DEADLINES]
+        planned = [d for d in deadlines if d.kind in PLANNED_DEADLINES]
         for group in [[d] for d in planned] if one_at_a_time else [planned] if planned else []:
 
             def prepare(plan, group=group):
                 rows = {
                     d.step_run_id: self.row_read(d.step_run_id) for d in group if d.step_run_id in self.rows
                 }
-                planner.dues_plan(plan, rows, group)
+                holders = {
+                    name: Grant(lock.holder, lock.fence)
+                    for name, lock in self.locks.devices.items()
+                    if lock.holder is not None
+                }
+                planner.dues_plan(plan, rows, group, holders)
                 assert not plan.unplanned
                 planner.runs_continue(plan)
 
             self.apply(prepare)
-        for d in deadlines:
-            row = self.rows.get(d.step_run_id)
-            if d.kind == "queue" and row is not None and row.status == StepStatus.QUEUED:
-                # Offline past its queue timeout: re-queued here for the simulation's end
-                # (jobs/engine/due.py times it out; that path is not the planner's).
-                self.locks.zset[d.member] = now_ms + 60_000
 
     def lease_expired(self, device: str, grant: Grant) -> None:
         """jobs/step_locks.py `step_lease_expired`, its decisions planned: a step still in
         flight under the expired grant ends its attempt as timed out (retried if it has
-        budget; `attempt_end_continue` decides as `attempts_end` does, through
-        `attempt_outcome`) and the lock is handed on; any other holder is passed on (and a
-        row still queued asks for the lock again)."""
+        budget; `batch.attempt_end_apply`) and the lock is handed on; any other holder is
+        passed on (and a row still queued asks for the lock again)."""
         row = self.rows.get(holder_step_id(grant.holder))
         if row is not None and row.device.name != device:
             row = None
@@ -432,7 +431,7 @@ class World:
         (jobs/step_locks.py): each device's executing step gets its lock back, fence
         counters rise to the highest fence any row of the device had, the epoch is back;
         then the rows' deadlines are put back and each queued step asks for its lock again
-        (`step_resume`: `step_acquire`, here as a plan of its acquire), oldest first."""
+        (`step_resume`: `batch.rows_start`, here as a plan of its acquire), oldest first."""
         self.locks.now_ms = _ms(self.now)
         batch = LockBatch()
         for device in DEVICES:

@@ -191,3 +191,56 @@ def test_a_due_dispatch_of_a_row_that_does_not_hold_the_lock_changes_nothing():
     planner.dues_plan(plan, {pk: row}, [Deadline.of("dispatch", row)], {"d0": Grant(lock.holder, lock.fence)})
 
     assert not plan.handed and not plan.writes and not plan.locks.ops
+
+
+def test_a_queue_deadline_times_out_a_waiting_row_and_its_run_moves_on():
+    # given a run waiting in d0's queue behind another
+    world = World()
+    first, second = one_step_run(world), one_step_run(world)
+    world.start(first.pk)
+    world.start(second.pk)
+    (pk,) = [pk for pk, row in world.rows.items() if row.run_id == second.pk]
+    due = Deadline.of("queue", world.rows[pk])
+
+    # when its queue deadline is due and it holds nothing
+    lock = world.locks.devices["d0"]
+    holders = {"d0": Grant(lock.holder, lock.fence)}
+    world.transition(
+        lambda plan: (
+            planner.dues_plan(plan, {pk: world.row_read(pk)}, [due], holders),
+            planner.runs_continue(plan),
+        )
+    )
+
+    # then it timed out, left the queue, and its run ended timed out
+    assert world.rows[pk].status == StepStatus.TIMED_OUT
+    assert "busy" in world.rows[pk].error
+    assert world.locks.devices["d0"].queue == []
+    assert world.runs[second.pk].status == "timed_out"
+
+
+def test_a_queue_deadline_of_a_row_that_holds_its_lock_dispatches_it():
+    # given a row granted its lock whose dispatch was lost (it is still queued)
+    world = World()
+    run = one_step_run(world)
+
+    def spaced(plan):
+        plan.waits["d0"] = 5.0  # granted, but held back: queued and holding the lock
+        planner.runs_begin(plan, {run.pk: world.run_read(run.pk)}, [str(run.pk)], {})
+
+    world.transition(spaced)
+    (pk,) = world.rows
+    lock = world.locks.devices["d0"]
+    assert lock.holder == f"step:{pk}" and world.rows[pk].status == StepStatus.QUEUED
+
+    # when its queue deadline comes first
+    due = Deadline.of("queue", world.rows[pk])
+    world.transition(
+        lambda plan: planner.dues_plan(
+            plan, {pk: world.row_read(pk)}, [due], {"d0": Grant(lock.holder, lock.fence)}
+        )
+    )
+
+    # then it is dispatched under the fence it holds, not timed out
+    assert world.rows[pk].status == StepStatus.DISPATCHED
+    assert [c["token"] for c in world.inbox["d0"]] == [lock.fence]
