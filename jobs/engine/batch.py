@@ -247,10 +247,12 @@ def _rows_at_cursor(runs: list[JobRun]) -> dict:
 
 def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIES) -> list[Deadline]:
     """Due deadlines as one transition: `ack` / `done` time their attempts out, `retry`
-    queues their steps again, `dispatch` sends a spaced step that holds its lock
-    (planner.dues_plan). Returns the deadlines left to the
-    one-at-a-time handlers (jobs/engine/due.py): other kinds, rows a plan does not decide,
-    and all of them when the batch kept conflicting."""
+    queues their steps again, `dispatch` and `queue` send a step that holds its lock, a
+    `queue` times out a step that waited too long (planner.dues_plan). Returns the
+    deadlines left to their kind's handler (jobs/engine/due.py): the other kinds, and those
+    of a kind that takes its rows' deadlines over (a delay). A batch that keeps conflicting
+    is applied as batches of one; a batch of one that still does is left to the monitor
+    (its row moved: what the deadline guarded is over, or the sweep finds it again)."""
     planned = [d for d in deadlines if d.kind in PLANNED_DEADLINES]
     left = [d for d in deadlines if d.kind not in PLANNED_DEADLINES]
     if not planned:
@@ -282,7 +284,13 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
         planner.runs_continue(batch.plan)
 
     def again() -> None:
-        conflicted.append(deadlines_apply(planned, retries=retries - 1) if retries > 0 else planned)
+        if retries > 0:
+            conflicted.append(deadlines_apply(planned, retries=retries - 1))
+        elif len(planned) > 1:
+            conflicted.append([d for one in planned for d in deadlines_apply([one])])
+        else:
+            log.info("deadline %s kept finding its row moved; left to the monitor", planned[0].member)
+            conflicted.append([])
 
     _transition(batch, prepare, again, "applying it again" if retries > 0 else "applying one at a time")
     # A batch that conflicted was rolled back: what is left is its retry's.

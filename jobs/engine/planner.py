@@ -142,6 +142,7 @@ class Plan:
     dequeues: set[int] = field(default_factory=set)  # lock op indexes: rows leaving a queue
     extends: set[int] = field(default_factory=set)  # lock op indexes: leases extended
     acquires: dict[int, tuple[StepRun, Attempt]] = field(default_factory=dict)  # op -> new row
+    lockless: list[tuple[StepRun, Attempt]] = field(default_factory=list)  # rows with no device
     acks: dict[int, StepRun] = field(default_factory=dict)
     ended: list[tuple[StepRun, Outcome]] = field(default_factory=list)
     starting: list[JobRun] = field(default_factory=list)  # runs whose next row is named
@@ -656,10 +657,11 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
     """A queued row asks for its device's lock: dispatched if granted (`locks_answered`),
     else its queue deadline is written with the acquire; an offline device is not asked."""
     if row.device_id is None:
-        # A row without a device (a task step with no target) takes no lock: dispatched now.
+        # A row without a device (a task step with no target) takes no lock: dispatched
+        # with the lock call's grants (after the writes planned so far were checked).
         attempt = attempt_new(row, fence=None, now=plan.now)
         plan.zset_add(attempt.deadlines)
-        _dispatch(plan, row, attempt, None)
+        plan.lockless.append((row, attempt))
         return
     queued = {Deadline.of("queue", row): row.deadline} if row.deadline is not None else {}
     queue = {d.member: deadline_score(when) for d, when in queued.items()}
@@ -725,7 +727,10 @@ def locks_order(plan: Plan) -> None:
 
 def locks_answered(plan: Plan, outcomes: list) -> None:
     """The lock call's answers: granted rows are dispatched, queued ones wait (an event),
-    releases that handed a device on are kept for `handed_plan`."""
+    releases that handed a device on are kept for `handed_plan`. Rows without a device are
+    dispatched here too (they took no lock)."""
+    for row, attempt in plan.lockless:
+        _dispatch(plan, row, attempt, None)
     for index, outcome in enumerate(outcomes):
         if index in plan.releases:
             if outcome is not None:
