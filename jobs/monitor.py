@@ -31,7 +31,7 @@ from .engine.runs import run_continue
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
 from .models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
-from .presence import step_resume
+from .presence import steps_resume
 from .services import RUN_ADVANCE_TASK
 from .step_locks import DEADLINE_KIND_FOR_STATUS
 
@@ -140,8 +140,7 @@ def reconcile() -> int:
         .filter(status=StepStatus.QUEUED, queued_at__lt=now - grace, device__isnull=False)
         .order_by("queued_at")[:CLAIM_BATCH]
     )
-    for step_run in waiting:
-        step_resume(step_run=step_run, quiet=True)
+    steps_resume(list(waiting), quiet=True)
     # Runs whose cursor moved but whose next step row was never created (the worker died in
     # between): starting the step at the cursor again is idempotent.
     row_at_cursor = StepRun.objects.filter(run=OuterRef("pk"), phase=Phase.FORWARD, index=OuterRef("cursor"))

@@ -30,24 +30,21 @@ def devices_online(names: list[str]) -> int:
         .filter(device__name__in=names, status=StepStatus.QUEUED)
         .order_by("device_id", "queued_at", "pk")
     )
-    commands = []
-    for step_run in waiting:
+    steps_resume(waiting)
+    return len(waiting)
+
+
+def steps_resume(step_runs: list[StepRun], *, quiet: bool = False) -> None:
+    """Queued steps get another chance, in the given order: a wait-for-online step checks,
+    the others ask for their locks together (`rows_start`: one transition per 500 rows)."""
+    asking = []
+    for step_run in step_runs:
         resume = row_resume_handler(step_run)
         if resume is not None:
             resume(step_run=step_run)
         else:
-            commands.append(step_run.pk)
-    rows_start(commands)
-    return len(waiting)
-
-
-def step_resume(*, step_run: StepRun, quiet: bool = False) -> None:
-    """A queued step gets another chance: a wait-for-online step checks, a command asks for the lock."""
-    resume = row_resume_handler(step_run)
-    if resume is not None:
-        resume(step_run=step_run)
-    else:
-        rows_start([step_run.pk], quiet=quiet)
+            asking.append(step_run.pk)
+    rows_start(asking, quiet=quiet)
 
 
 @transaction.atomic

@@ -23,7 +23,7 @@ from .engine.batch import attempt_end_apply, rows_start
 from .engine.plan import holder_step_id, lease_seconds, step_holder, step_spec
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepRun, StepStatus
-from .presence import step_resume
+from .presence import steps_resume
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,5 @@ def steps_after_rebuild() -> None:
     if entries:
         deadlines_set(entries)
     queued = StepRun.objects.select_related("run", "device").filter(status=StepStatus.QUEUED)
-    for step_run in queued.order_by("queued_at", "pk"):
-        step_resume(step_run=step_run)
+    steps_resume(list(queued.order_by("queued_at", "pk")))
     log.warning("device locks rebuilt: %d step deadlines restored", len(entries))

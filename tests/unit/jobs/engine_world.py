@@ -431,7 +431,7 @@ class World:
         (jobs/step_locks.py): each device's executing step gets its lock back, fence
         counters rise to the highest fence any row of the device had, the epoch is back;
         then the rows' deadlines are put back and each queued step asks for its lock again
-        (`step_resume`: `batch.rows_start`, here as a plan of its acquire), oldest first."""
+        (`presence.steps_resume`: `batch.rows_start`, here as a plan of its acquire), oldest first."""
         self.locks.now_ms = _ms(self.now)
         batch = LockBatch()
         for device in DEVICES:
