@@ -776,8 +776,10 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
             # Handed the lock before the transaction that created the row committed (two
             # batches at once): look again shortly. A row that never commits keeps the lock
             # until its lease runs out and the monitor passes it on.
+            # (In `writes`: the plan's own lock call has been made by now.)
+            retry = Deadline("dispatch", step_id, 0, device)
             retry_at = plan.now + timedelta(seconds=UNCOMMITTED_ROW_RETRY_SECONDS)
-            plan.zset_add({Deadline("dispatch", step_id, 0, device): retry_at})
+            writes.zset_add({retry.member: deadline_score(retry_at)}, shard=retry.shard)
             continue
         if row.status != StepStatus.QUEUED or row.run.status not in RUN_ACTIVE or not row_batched(row):
             if not (row.status in STEP_IN_FLIGHT and row.fence == grant.fence):

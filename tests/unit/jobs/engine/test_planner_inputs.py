@@ -244,3 +244,21 @@ def test_a_queue_deadline_of_a_row_that_holds_its_lock_dispatches_it():
     # then it is dispatched under the fence it holds, not timed out
     assert world.rows[pk].status == StepStatus.DISPATCHED
     assert [c["token"] for c in world.inbox["d0"]] == [lock.fence]
+
+
+def test_a_hand_off_to_a_row_not_committed_yet_is_looked_at_again_by_the_hand_off_writes():
+    # given a release that handed d0 to a step whose row is not readable yet (another
+    # transition is still creating it)
+    world = World()
+    plan = planner.Plan(now=world.now)
+    plan.handed.append(("d0", Grant("step:77", 4)))
+
+    # when the hand-offs are planned (after the plan's own lock call was made)
+    writes = planner.handed_plan(plan, {})
+
+    # then the dispatch deadline that looks at it again is in the writes the executor
+    # applies next, not in the lock call already sent
+    retry = Deadline("dispatch", 77, 0, "d0")
+    due = world.now + timedelta(seconds=planner.UNCOMMITTED_ROW_RETRY_SECONDS)
+    assert writes.writes[retry.shard]["zadd"] == {retry.member: int(due.timestamp() * 1000)}
+    assert not plan.locks.writes and not plan.later
