@@ -374,7 +374,7 @@ def dues_plan(
         if row_deadline_handler(row) is not None:
             plan.unplanned.append(deadline)
             continue
-        if deadline.kind in ("retry", "dispatch") and not _kind_planned(row):
+        if deadline.kind in ("retry", "dispatch") and not row_batched(row):
             continue  # a kind that dispatches nothing (wait_online) is never retried or spaced
         answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
         if deadline.kind in ("ack", "done") and row.status in answering:
@@ -399,7 +399,7 @@ def dues_plan(
         elif deadline.kind in ("dispatch", "queue") and row.status == StepStatus.QUEUED:
             seen.add(row.pk)
             grant = (holders or {}).get(row.device.name) if row.device_id is not None else None
-            if row.device_id is None and _kind_planned(row):
+            if row.device_id is None and row_batched(row):
                 row_acquire(plan, row)  # a row without a device whose dispatch was lost: now
             elif grant is not None and grant.holder == step_holder(row):
                 plan.handed.append((row.device.name, grant))  # it holds the lock: dispatched
@@ -440,12 +440,6 @@ def _queue_time_out(plan: Plan, row: StepRun) -> None:
     plan.events.add("step.timed_out", step_run=row, message=error)
     changes = {"status": row.status, "error": error, "finished_at": plan.now}
     plan.ended.append((row, Outcome(StepStatus.TIMED_OUT, changes, False, error)))
-
-
-def _kind_planned(row: StepRun) -> bool:
-    """Rows a plan dispatches: a command or a task step (`batched_dispatch`), forward or
-    compensation."""
-    return row_batched(row)
 
 
 # Runs a cancel ends.

@@ -20,6 +20,16 @@ def one_step_run(world: World, device: str = "d0", priority: int = 5):
     return world.run_new([(device, OnFailure.ABORT, 1)], priority)
 
 
+def queued_behind(world: World):
+    """Two one-step runs on d0, both started: the first's step holds d0, the second's
+    waits in its queue. Returns the second run and its row's id."""
+    first, second = one_step_run(world), one_step_run(world)
+    world.start(first.pk)
+    world.start(second.pk)
+    (pk,) = [pk for pk, row in world.rows.items() if row.run_id == second.pk]
+    return second, pk
+
+
 def test_a_start_of_a_running_run_changes_nothing_while_its_step_is_in_flight():
     # given a run whose step was dispatched
     world = World()
@@ -38,10 +48,7 @@ def test_a_start_of_a_running_run_changes_nothing_while_its_step_is_in_flight():
 def test_a_start_of_a_running_run_asks_again_for_the_lock_of_its_queued_step_keeping_its_place():
     # given two runs on one device: the second's step waits in the device's queue
     world = World()
-    first, second = one_step_run(world), one_step_run(world)
-    world.start(first.pk)
-    world.start(second.pk)
-    (waiting,) = [pk for pk, row in world.rows.items() if row.run_id == second.pk]
+    second, waiting = queued_behind(world)
     assert world.locks.devices["d0"].queue[0][1] == f"step:{waiting}"
 
     # when the second's start comes again
@@ -180,10 +187,7 @@ def test_a_device_whose_next_command_is_not_due_keeps_the_lock_until_its_dispatc
 
 def test_a_due_dispatch_of_a_row_that_does_not_hold_the_lock_changes_nothing():
     world = World()
-    first, second = one_step_run(world), one_step_run(world)
-    world.start(first.pk)
-    world.start(second.pk)
-    (pk,) = [pk for pk, row in world.rows.items() if row.run_id == second.pk]
+    _, pk = queued_behind(world)
     row = world.row_read(pk)
     lock = world.locks.devices["d0"]
 
@@ -196,10 +200,7 @@ def test_a_due_dispatch_of_a_row_that_does_not_hold_the_lock_changes_nothing():
 def test_a_queue_deadline_times_out_a_waiting_row_and_its_run_moves_on():
     # given a run waiting in d0's queue behind another
     world = World()
-    first, second = one_step_run(world), one_step_run(world)
-    world.start(first.pk)
-    world.start(second.pk)
-    (pk,) = [pk for pk, row in world.rows.items() if row.run_id == second.pk]
+    second, pk = queued_behind(world)
     due = Deadline.of("queue", world.rows[pk])
 
     # when its queue deadline is due and it holds nothing
