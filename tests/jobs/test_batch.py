@@ -12,6 +12,7 @@ import logging
 import pytest
 from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from devices.locks import device_lock_extend, device_lock_state
 from devices.protocol import Reply
@@ -19,7 +20,7 @@ from iotqueue import workstream
 from iotqueue.redis_conn import lock_redis_connection, redis_connection
 from jobs import inbox
 from jobs.cancel import run_cancel
-from jobs.deadlines import Deadline, deadlines_key
+from jobs.deadlines import Deadline, deadlines_key, deadlines_set
 from jobs.engine import batch as engine_batch
 from jobs.events import EventLog, lifecycle_events
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
@@ -531,3 +532,20 @@ def test_undoing_a_batch_whose_acquire_found_its_row_holding_the_lock_leaves_the
     engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
     second = hand.next_command()
     assert (second["step"], second["token"]) == (1, row.fence + 1)
+
+
+def test_a_due_send_deadline_sends_the_command_again_once(stack, manual_device):
+    # given a command whose publish was confirmed (its `send` deadline cleared)
+    device, hand, run, first = two_steps_on_one_device(manual_device)
+    step0 = StepRun.objects.get(run=run, index=0)
+    wait_for(lambda: not send_pending(step0), what="the first command's send deadline cleared")
+
+    # when its `send` deadline comes due anyway (a confirmation the worker never saw)
+    deadlines_set({Deadline.of("send", step0): timezone.now()})
+
+    # then the monitor sends the same command again, under the same token, and says so
+    again = hand.next_command()
+    assert (again["id"], again["token"]) == (first["id"], first["token"])
+    wait_for(lambda: "step.resent" in kinds(run), what="the re-send recorded")
+    wait_for(lambda: not send_pending(step0), what="the re-send's deadline cleared")
+    assert kinds(run).count("step.resent") == 1
