@@ -185,7 +185,7 @@ class Publisher(ProcessClient):
     out meanwhile would reach its device after the next holder's (issue 34). A message not
     acknowledged before the drop is a failed publish, which the caller owns: the engine's
     `send` deadline re-sends a command only while its attempt is still current
-    (jobs/engine/dispatch.py `command_resend`).
+    (jobs/engine/due.py, the `send` deadline).
     """
 
     def __init__(self, role: str) -> None:

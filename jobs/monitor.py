@@ -25,9 +25,8 @@ from iotqueue.metrics import MetricsBatch
 from iotqueue.redis_conn import redis_connection, redis_key
 
 from .deadlines import Deadline, deadlines_claim, deadlines_set
-from .engine.batch import inbox_apply
+from .engine.batch import inbox_apply, run_continue
 from .engine.rollback import compensation_next
-from .engine.runs import run_continue
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
 from .models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus

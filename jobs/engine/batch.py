@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from django.db import IntegrityError, InterfaceError, OperationalError, transaction
@@ -85,10 +86,11 @@ from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
 from .dispatch import cancel_command_send
-from .kinds import PLANNED_DEADLINES, row_batched
+from .kinds import PLANNED_DEADLINES, REGISTRY, row_batched, row_ended_handler
 from .plan import RUN_ACTIVE, command_id_step, step_holder
 from .planner import Plan, RowWrite
-from .runs import run_continue, run_finish, run_step_done, run_step_enter
+from .runs import run_finish, step_error
+from .start import StepRefused, step_start
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +368,69 @@ def _attempt_end(step_run_id: int, fence: int, how: dict, retries: int = CANCEL_
     return ended[-1]
 
 
+def step_done_apply(run_id: str, index: int, *, ok: bool, status: str, error: str) -> None:
+    """A step's final outcome reached outside a plan (a fan-out's summary or abort, a step
+    refused at its start, a delay or wait_online row that ended) moves its run as one
+    transition (planner.steps_decide): the next step started in it, the run's end, or its
+    failure policy after the commit. Nothing happens when the run is no longer running at
+    that step (the outcome was decided before)."""
+    _step_done(planner.StepDone(None, index, ok, status, error), run_id)
+
+
+def _step_done(step: planner.StepDone, run_id: str, retries: int = CANCEL_RETRIES) -> None:
+    runs = rows_select(JobRun, "id", [run_id])
+    if not runs:
+        return
+    batch = _Batch({})
+
+    def prepare() -> None:
+        planner.steps_decide(batch.plan, [replace(step, run=runs[0])])
+
+    def again() -> None:
+        if retries <= 0:
+            raise BatchRetry(f"the outcome of step {step.index} of run {run_id} kept conflicting")
+        _step_done(step, run_id, retries - 1)
+
+    _transition(batch, prepare, again, "deciding it again from a fresh read")
+
+
+def run_continue(*, step_run: StepRun) -> None:
+    """After a step row ended for good outside a plan (a delay's, a wait_online's, one the
+    monitor found): move its run on; a row that is not its step's whole outcome (a
+    fan-out's, a compensation's) reports to the handler its kind declared."""
+    if step_run.status == StepStatus.CANCELED:
+        return
+    ended = row_ended_handler(step_run)
+    if ended is not None:
+        ended(step_run)
+        return
+    ok = step_run.status == StepStatus.SUCCEEDED
+    step_done_apply(
+        str(step_run.run_id), step_run.index, ok=ok, status=step_run.status, error=step_error(step_run)
+    )
+
+
+def run_step_enter(*, run: JobRun, index: int) -> None:
+    """Start the step at `index` the way its kind does (a kind a plan does not start, or a
+    step refused: no such device, a reference with no value, which fails it as a planned
+    outcome), or end the run when the plan is done."""
+    if index >= len(run.plan):
+        run_finish(run=run, status=RunStatus.SUCCEEDED)
+        return
+    try:
+        step_start(run=run, index=index)
+    except StepRefused as refused:
+        event_record("step.failed", run=run, device=refused.device, message=str(refused), index=index)
+        step_done_apply(
+            str(run.pk), index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {refused}"
+        )
+
+
+def _policy(*, run: JobRun, policy: str, error: str) -> None:
+    """A failure policy that decides on its own (a rollback), after the commit."""
+    REGISTRY.failure_policies[policy](run, error)
+
+
 def handoffs_apply(handed: list[tuple[str, Grant]], *, retries: int = CONFLICT_RETRIES) -> None:
     """Dispatch the queued rows that were handed their device's lock outside a transition
     (a lock passed on by the general path, a lease expiry, a force-release) or that hold
@@ -505,18 +570,13 @@ def _safely(work: Callable[[], None]) -> None:
         log.exception("after a reply batch: %s failed; the monitor's sweep finds its step again", work)
 
 
-def run_step_done_failed(*, run: JobRun, index: int, status: str, error: str) -> None:
-    """A step failure whose policy decides on its own (a rollback), after the commit."""
-    run_step_done(run=run, index=index, ok=False, status=status, error=error)
-
-
 # What a plan's `Later` entries run after the commit (planner.Later.what -> the function).
 LATER_WORK: dict[str, Callable[..., None]] = {
     "continue": run_continue,
     "enter": run_step_enter,
     "pass_on": lambda *, device, holder, fence: device_lock_pass_on(device, holder=holder, fence=fence),
     "handoff": lambda *, device, grant: device_lock_handoff(device, grant),
-    "policy": run_step_done_failed,
+    "policy": _policy,
 }
 
 

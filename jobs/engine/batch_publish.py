@@ -15,9 +15,7 @@ from iotqueue.redis_conn import lock_redis_connection, lock_redis_shared, redis_
 
 from ..deadlines import Deadline, deadlines_clear, deadlines_set
 from ..events import event_record
-from .dispatch import attempt_send
-from .kinds import row_commanded
-from .publish import publications_open
+from .publish import attempts_send, publications_open
 
 
 class LastWrites:
@@ -77,24 +75,16 @@ class BatchPublish:
     # --- 5. after the commit ---------------------------------------------------------
 
     def publish(self) -> None:
-        """Publish every command of the batch into the unit of work's `Publications`
-        (a task step's attempt: its Celery task, sent by its kind's `attempt_sender`)
-        (jobs/engine/publish.py); then the last writes: clear the `send` deadlines of the
+        """Send every attempt of the batch (jobs/engine/publish.py `attempts_send`: a
+        command into the unit of work's `Publications`, a task step's Celery task by its
+        kind's `attempt_sender`); then the last writes: clear the `send` deadlines of the
         commands the broker has acknowledged by now, set the runs' deadlines, count the
         metrics — added to the caller's `LastWrites` (`self.last`) or sent here."""
-        commands = [row for row in self.dispatches if row_commanded(row)]
         with publications_open() as publications:
-            for row, failure in publications.publish(commands):
-                # The `send` deadline re-sends it; the device deduplicates by id.
-                self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
-            confirmed = publications.confirmed()
-        # A kind that sends its attempts its own way (a task step: a Celery task) sends them
-        # now; one that failed keeps its `send` deadline, which sends it again.
-        confirmed += [
-            Deadline.of("send", row)
-            for row in self.dispatches
-            if not row_commanded(row) and attempt_send(step_run=row)
-        ]
+            confirmed, failed = attempts_send(publications, self.dispatches)
+        for row, failure in failed:
+            # The `send` deadline re-sends it; the device deduplicates by id.
+            self.later.append(partial(event_record, "step.publish_failed", step_run=row, message=failure))
         last = self.last if self.last is not None else LastWrites()
         last.cleared += confirmed
         last.deadlines.update(self.run_deadlines)

@@ -1,6 +1,6 @@
 """An attempt and its command: a new attempt's fields and deadlines, the command's message,
-sending an attempt, re-sending one whose publish was never confirmed, and the `cancel`
-command.
+and the `cancel` command. Sending attempts is jobs/engine/publish.py's; re-sending one
+whose publish was never confirmed, the `send` deadline's (jobs/engine/due.py).
 
 The planner (jobs/engine/planner.py) decides when a queued step is dispatched (its lock
 granted, or handed on to it) and writes the attempt with `attempt_new`; the executor
@@ -20,11 +20,10 @@ from django.utils import timezone
 from devices import protocol
 from iotqueue.mqtt import Message, PublishError, publisher
 
-from ..deadlines import Deadline, deadlines_clear, deadlines_set
+from ..deadlines import Deadline
 from ..events import event_record
 from ..models import StepRun, StepStatus
-from .kinds import REGISTRY
-from .plan import command_id_new, spec_kind, step_spec
+from .plan import command_id_new, step_spec
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +70,6 @@ def attempt_new(step_run: StepRun, *, fence: int | None, now: datetime) -> Attem
     return Attempt(changes, deadlines)
 
 
-def attempt_send(*, step_run: StepRun) -> bool:
-    """Send the step's current attempt the way its kind does: a command by default, else
-    what the kind declared with `@kinds.attempt_sender` (a task step sends a Celery task);
-    False (and an event) when it failed, which the `send` deadline retries."""
-    sender = REGISTRY.attempt_senders.get(spec_kind(step_spec(step_run)), command_send)
-    return sender(step_run=step_run)
-
-
 def command_message(step_run: StepRun) -> Message:
     """The topic and payload of the step's current command; it expires with its attempt's
     deadline (not sent after it: the attempt times out, and a late copy could reach the
@@ -94,36 +85,6 @@ def command_message(step_run: StepRun) -> Message:
         deadline=step_run.deadline.isoformat(),
     )
     return Message(step_run.device.command_topic_for(step_run.action), payload, step_run.deadline.timestamp())
-
-
-def command_send(*, step_run: StepRun) -> bool:
-    """Publish the step's current command (QoS 1); False (and an event) when it failed.
-
-    A failed publish is retried by the `send` deadline; the device deduplicates by id.
-    """
-    message = command_message(step_run)
-    try:
-        publisher.publish(message.topic, message.payload, expires_at=message.expires_at)
-    except PublishError as exc:
-        event_record("step.publish_failed", step_run=step_run, message=str(exc))
-        return False
-    return True
-
-
-def command_resend(*, step_run: StepRun, attempt: int) -> None:
-    """The `send` deadline: re-send a command whose publish was never confirmed, while its
-    attempt is current and its deadline ahead (past it, the `done` deadline times it out)."""
-    if step_run.attempt != attempt or step_run.status != StepStatus.DISPATCHED:
-        return
-    if step_run.deadline is not None and step_run.deadline <= timezone.now():
-        return
-    event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
-    if not attempt_send(step_run=step_run):
-        deadlines_set(
-            {Deadline.of("send", step_run, attempt): timezone.now() + timedelta(seconds=SEND_CHECK_SECONDS)}
-        )
-    else:
-        deadlines_clear([Deadline.of("send", step_run, attempt)])
 
 
 # A cancel command's id: no step's, so the device's answer to it is recorded as unknown.

@@ -15,20 +15,38 @@ jobs/cancel.py), which checks the run likewise.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django.db import transaction
+from django.utils import timezone
 
-from ..deadlines import RUN_KINDS, Deadline
-from ..models import StepRun
+from ..deadlines import RUN_KINDS, Deadline, deadlines_clear, deadlines_set
+from ..events import event_record
+from ..models import StepRun, StepStatus
 from .batch import deadlines_apply
-from .dispatch import command_resend
+from .dispatch import SEND_CHECK_SECONDS
 from .kinds import REGISTRY, deadline_handler
 from .plan import spec_kind
+from .publish import attempts_send, publications_open
 
 
 @deadline_handler("send")
 def _send_due(step_run: StepRun, deadline: Deadline) -> None:
-    command_resend(step_run=step_run, attempt=deadline.attempt)
+    """Send again an attempt whose send was never confirmed, while it is current and its
+    deadline ahead (past it, the `done` deadline times it out). The `send` deadline is set
+    again first: it stays until this send is confirmed (jobs/engine/publish.py)."""
+    if step_run.status != StepStatus.DISPATCHED:
+        return
+    now = timezone.now()
+    if step_run.deadline is not None and step_run.deadline <= now:
+        return
+    event_record("step.resent", step_run=step_run, message="publish was not confirmed; sending again")
+    deadlines_set({deadline: now + timedelta(seconds=SEND_CHECK_SECONDS)})
+    with publications_open() as publications:
+        confirmed, failed = attempts_send(publications, [step_run])
+    deadlines_clear(confirmed)
+    for row, failure in failed:
+        event_record("step.publish_failed", step_run=row, message=failure)
 
 
 log = logging.getLogger(__name__)

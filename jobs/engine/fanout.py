@@ -29,10 +29,9 @@ from ..choices import AbortCause, RolloutIncrementOn
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
-from .batch import rows_start
+from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, fanout_devices, step_args
-from .runs import run_step_done
 from .start import StepRefused
 
 # The window of the rollout rate.
@@ -331,9 +330,9 @@ def _fanout_decide(*, run: JobRun, index: int) -> None:
     ok = rollout_succeeded(succeeded=succeeded, total=total, success_percent=spec.get("success_percent", 100))
     message = f"{succeeded} of {total} devices succeeded" + (f"; failures: {breakdown}" if failed else "")
     event_record("step.fanout_done", run=run, message=message, index=index, by_status=dict(by_status))
-    run_step_done(
-        run=run,
-        index=index,
+    step_done_apply(
+        str(run.pk),
+        index,
         ok=ok,
         status=StepStatus.SUCCEEDED if ok else StepStatus.FAILED,
         error=f"step {index}: {message}",
@@ -363,4 +362,4 @@ def fanout_abort(*, run: JobRun, index: int, tripped: dict[str, Any], breakdown:
         criterion=tripped,
         skipped=skipped,
     )
-    run_step_done(run=run, index=index, ok=False, status=StepStatus.FAILED, error=error)
+    step_done_apply(str(run.pk), index, ok=False, status=StepStatus.FAILED, error=error)

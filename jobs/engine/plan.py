@@ -8,6 +8,7 @@ runs the step's compensation action), a for-each run (`device_param`) and a fan-
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -96,6 +97,30 @@ def command_id_step(command_id: str) -> int | None:
     """The step run id a command id names, or None for a foreign id."""
     head = command_id.split("-", 1)[0]
     return int(head) if head.isdigit() else None
+
+
+def queued_row(
+    run: JobRun, index: int, *, device: Device | None, action: str, args: dict, phase: str, now: datetime
+) -> dict[str, Any]:
+    """The fields of a step's new `queued` row, with its queue deadline. A plan's rows
+    (jobs/engine/planner.py `rows_name`) and a kind's start (jobs/engine/start.py
+    `step_row_create`) make the same row from them."""
+    return {
+        "run": run,
+        "phase": phase,
+        "index": index,
+        "device": device,
+        "action": action,
+        "args": args,
+        "status": StepStatus.QUEUED,
+        "queued_at": now,
+        "deadline": now + timedelta(seconds=run.plan[index]["queue_timeout_seconds"]),
+    }
+
+
+def queued_message(step_run: StepRun) -> str:
+    """What a row's `step.queued` event says: where and what."""
+    return f"{step_run.device_name or 'task'} {step_run.action}"
 
 
 def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:

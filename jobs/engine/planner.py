@@ -71,6 +71,8 @@ from .plan import (
     command_id_step,
     holder_step_id,
     lease_seconds,
+    queued_message,
+    queued_row,
     step_answerer,
     step_args,
     step_holder,
@@ -484,7 +486,7 @@ def run_time_out_plan(plan: Plan, run: JobRun, rows: list[StepRun]) -> bool:
     index = min(run.cursor, len(run.plan) - 1)
     decided = run_next(run, index, ok=False, status=StepStatus.TIMED_OUT, error=reason)
     if decided.policy:
-        plan.later_add("policy", run=run, index=index, status=StepStatus.TIMED_OUT, error=reason)
+        plan.later_add("policy", run=run, policy=decided.policy, error=reason)
         return True
     run.status, run.error, run.finished_at = RunStatus.TIMED_OUT, reason, plan.now
     plan.write(JobRun, [run], CANCEL_FIELDS, status_in=(RunStatus.RUNNING,), conflict="a run ended meanwhile")
@@ -562,26 +564,48 @@ def _attempts_write(plan: Plan, rows: list[StepRun]) -> None:
     )
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """A step's final outcome, which decides its run (`steps_decide`)."""
+
+    run: JobRun
+    index: int
+    ok: bool
+    status: str
+    error: str
+
+
 def runs_continue(plan: Plan) -> None:
-    """Move on the runs whose step ended for good: next step, end, or the general way."""
-    fanouts, moved, finished = set(), [], []
+    """Move on the runs whose step ended for good (`steps_decide`). A row that is not its
+    step's whole outcome (a fan-out's, a compensation's) reports to the handler its kind
+    declared, after the commit (`kinds.row_ended`)."""
+    fanouts, done = set(), []
     for row, outcome in plan.ended:
-        if outcome.retry:
+        if outcome.retry or row.status == StepStatus.CANCELED:
             continue
-        run = row.run
-        if row.phase == Phase.FORWARD and row_ended_handler(row) is not None:
+        if row_ended_handler(row) is not None:
             # One progress check per fan-out and batch, however many of its rows ended.
-            if (run.pk, row.index) not in fanouts:
-                fanouts.add((run.pk, row.index))
+            if (row.run.pk, row.index, row.phase) not in fanouts:
+                fanouts.add((row.run.pk, row.index, row.phase))
                 plan.later_add("continue", step_run=row)
             continue
-        if row.phase != Phase.FORWARD or run.status != RunStatus.RUNNING or run.cursor != row.index:
-            plan.later_add("continue", step_run=row)
-            continue
         ok = row.status == StepStatus.SUCCEEDED
-        decided = run_next(run, row.index, ok=ok, status=row.status, error=step_error(row))
+        done.append(StepDone(row.run, row.index, ok, row.status, step_error(row)))
+    steps_decide(plan, done)
+
+
+def steps_decide(plan: Plan, done: list[StepDone]) -> None:
+    """Each step's final outcome decides its run (`runs.run_next`) if the run is still
+    running at that step: the run moves on (its next step started in this plan), ends, or
+    its failure policy decides after the commit (a rollback)."""
+    moved, finished = [], []
+    for step in done:
+        run = step.run
+        if run.status != RunStatus.RUNNING or run.cursor != step.index:
+            continue
+        decided = run_next(run, step.index, ok=step.ok, status=step.status, error=step.error)
         if decided.policy:
-            plan.later_add("continue", step_run=row)
+            plan.later_add("policy", run=run, policy=decided.policy, error=step.error)
             continue
         if decided.cursor is not None:
             run.cursor = decided.cursor
@@ -629,21 +653,18 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
         if args is None or not device.enabled:
             plan.later_add("enter", run=run, index=run.cursor)
             continue
-        row = row_new(
-            StepRun,
-            pk=pk,
-            run=run,
-            phase=Phase.FORWARD,
-            index=run.cursor,
+        fields = queued_row(
+            run,
+            run.cursor,
             device=device,
             action=spec["action"],
             args=args,
-            status=StepStatus.QUEUED,
-            queued_at=plan.now,
-            deadline=plan.now + timedelta(seconds=spec["queue_timeout_seconds"]),
+            phase=Phase.FORWARD,
+            now=plan.now,
         )
+        row = row_new(StepRun, pk=pk, **fields)
         plan.new_rows.append(row)
-        plan.events.add("step.queued", step_run=row, message=f"{row.device.name} {row.action}")
+        plan.events.add("step.queued", step_run=row, message=queued_message(row))
         row_acquire(plan, row)
 
 

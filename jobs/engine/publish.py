@@ -35,6 +35,8 @@ from iotqueue.mqtt import PUBLISH_TIMEOUT_SECONDS, publisher
 from ..deadlines import Deadline, deadlines_clear
 from ..models import StepRun
 from .dispatch import command_message
+from .kinds import REGISTRY, row_commanded
+from .plan import spec_kind, step_spec
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +119,20 @@ def publications_open() -> Iterator[Publications]:
         return
     with Publications() as own:
         yield own
+
+
+def attempts_send(
+    publications: Publications, rows: list[StepRun]
+) -> tuple[list[Deadline], list[tuple[StepRun, str]]]:
+    """Send each row's current attempt: a command into `publications` (its `send` deadline
+    is cleared once the broker acknowledged it), a kind's own attempt (a task step's Celery
+    task) by the kind's `attempt_sender`. Returns the `send` deadlines that can be cleared
+    now, and the (row, why) of commands that could not be queued at all (a sender that
+    failed recorded its own event); their `send` deadline sends them again."""
+    commands = [row for row in rows if row_commanded(row)]
+    failed = publications.publish(commands)
+    confirmed = publications.confirmed()
+    for row in rows:
+        if not row_commanded(row) and REGISTRY.attempt_senders[spec_kind(step_spec(row))](step_run=row):
+            confirmed.append(Deadline.of("send", row))
+    return confirmed, failed

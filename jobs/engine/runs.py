@@ -1,10 +1,9 @@
-"""Continuing runs: after a step row ended for good, move the run on, roll it back or end it.
+"""What a step's final outcome does to its run (`run_next`), and ending a run (`run_finish`).
 
 A run is a database state machine: `cursor` is the index of its current step. A step's
-outcome decides the run (`run_step_done`): the next step starts, the run rolls back (a
-failure policy, `@kinds.failure_policy` in jobs/engine/rollback.py) or the run ends. Rows
-that are not a step's whole outcome (one device of a fan-out, a compensation) report to the
-handler their kind declared with `@kinds.row_ended` instead. Every run transition is a
+outcome decides the run: the next step starts, the run rolls back (a failure policy,
+`@kinds.failure_policy` in jobs/engine/rollback.py) or the run ends. The planner asks
+`run_next` (jobs/engine/planner.py `steps_decide`), and a plan writes the decision as a
 compare-and-set, so a task that runs twice changes nothing.
 
 Run:   pending -> running -> succeeded | failed | timed_out | canceled
@@ -19,26 +18,10 @@ from django.utils import timezone
 
 from ..events import event_record
 from ..models import JobRun, OnFailure, RunStatus, StepRun, StepStatus
-from .kinds import REGISTRY, row_ended_handler
 from .plan import RUN_ACTIVE
-from .start import StepRefused, step_start
 
 # Statuses a final step outcome maps to on the run when the step's policy aborts it.
 RUN_STATUS_FOR_STEP = {StepStatus.TIMED_OUT: RunStatus.TIMED_OUT}
-
-
-def run_step_enter(*, run: JobRun, index: int) -> None:
-    """Start the step at `index`, or end the run when the plan is done; a refusal fails it."""
-    if index >= len(run.plan):
-        run_finish(run=run, status=RunStatus.SUCCEEDED)
-        return
-    try:
-        step_start(run=run, index=index)
-    except StepRefused as refused:
-        event_record("step.failed", run=run, device=refused.device, message=str(refused), index=index)
-        run_step_done(
-            run=run, index=index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {refused}"
-        )
 
 
 def run_finish(*, run: JobRun, status: str, error: str = "") -> bool:
@@ -65,9 +48,8 @@ class RunNext:
 
 
 def run_next(run: JobRun, index: int, *, ok: bool, status: str, error: str) -> RunNext:
-    """A step's final outcome decides its run: the next step, the end, or its policy. The
-    general path (`run_step_done`) and a plan (jobs/engine/planner.py) decide alike
-    through this."""
+    """A step's final outcome decides its run: the next step, the end, or its policy (the
+    planner asks, jobs/engine/planner.py `steps_decide`)."""
     policy = run.plan[index].get("on_failure", OnFailure.ABORT)
     if ok or policy == OnFailure.CONTINUE:
         if index + 1 >= len(run.plan):
@@ -78,39 +60,7 @@ def run_next(run: JobRun, index: int, *, ok: bool, status: str, error: str) -> R
     return RunNext(status=RUN_STATUS_FOR_STEP.get(status, RunStatus.FAILED), error=error)
 
 
-def run_step_done(*, run: JobRun, index: int, ok: bool, status: str, error: str = "") -> None:
-    """A step's outcome decides the run (`run_next`): next step, its failure policy, or end (once)."""
-    decided = run_next(run, index, ok=ok, status=status, error=error)
-    if decided.policy:
-        REGISTRY.failure_policies[decided.policy](run, error)
-    elif decided.cursor is not None:
-        if JobRun.objects.filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index).update(
-            cursor=decided.cursor
-        ):
-            run.cursor = decided.cursor
-            run_step_enter(run=run, index=run.cursor)
-    else:
-        run_finish(run=run, status=decided.status, error=decided.error)
-
-
 def step_error(step_run: StepRun) -> str:
     """How a step's failure reads on its run."""
     where = f"{step_run.device_name} {step_run.action}"
     return f"step {step_run.index} ({where}) {step_run.status}: {step_run.error}"
-
-
-def run_continue(*, step_run: StepRun) -> None:
-    """After a step row ended for good: move its run on (once)."""
-    if step_run.status == StepStatus.CANCELED:
-        return
-    ended = row_ended_handler(step_run)
-    if ended is not None:
-        ended(step_run)
-        return
-    run_step_done(
-        run=step_run.run,
-        index=step_run.index,
-        ok=step_run.status == StepStatus.SUCCEEDED,
-        status=step_run.status,
-        error=step_error(step_run),
-    )

@@ -10,8 +10,6 @@ the step's failure (jobs/engine/runs.py).
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -19,9 +17,9 @@ from devices.models import Device
 
 from .. import templating
 from ..events import event_record
-from ..models import JobRun, Phase, StepRun, StepStatus
+from ..models import JobRun, Phase, StepRun
 from .kinds import spec_behaviour
-from .plan import step_args, step_target
+from .plan import queued_message, queued_row, step_args, step_target
 
 
 class StepRefused(Exception):
@@ -55,31 +53,19 @@ def step_row_create(
 ) -> StepRun:
     """The queued row of a step (once), with its queue deadline; `device` None for a task
     step without one."""
-    spec = run.plan[index]
-    now = timezone.now()
     if device is None:
         # The unique constraint does not hold for a NULL device: look for the row first.
         existing = StepRun.objects.filter(run=run, phase=phase, index=index, device=None).first()
         if existing is not None:
             existing.run = run
             return existing
+    fields = queued_row(run, index, device=device, action=action, args=args, phase=phase, now=timezone.now())
     try:
         # Insert first: the row usually does not exist yet. A redelivered task hits the
         # unique (run, phase, index, device) constraint and reads the row it made before.
         with transaction.atomic():
-            step_run = StepRun.objects.create(
-                run=run,
-                phase=phase,
-                index=index,
-                device=device,
-                action=action,
-                args=args,
-                status=StepStatus.QUEUED,
-                queued_at=now,
-                deadline=now + timedelta(seconds=spec["queue_timeout_seconds"]),
-            )
-            where = step_run.device_name or "task"
-            event_record("step.queued", step_run=step_run, message=f"{where} {action}")
+            step_run = StepRun.objects.create(**fields)
+            event_record("step.queued", step_run=step_run, message=queued_message(step_run))
     except IntegrityError:
         step_run = StepRun.objects.select_related("device").get(
             run=run, phase=phase, index=index, device=device

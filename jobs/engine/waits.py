@@ -9,8 +9,8 @@ from django.utils import timezone
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
+from .batch import run_continue
 from .kinds import deadline_handler, row_deadline, row_resume, step_kind
-from .runs import run_continue
 from .start import step_row_start
 
 

@@ -536,7 +536,7 @@ def test_undoing_a_batch_whose_acquire_found_its_row_holding_the_lock_leaves_the
 
 def test_a_due_send_deadline_sends_the_command_again_once(stack, manual_device):
     # given a command whose publish was confirmed (its `send` deadline cleared)
-    device, hand, run, first = two_steps_on_one_device(manual_device)
+    _device, hand, run, first = two_steps_on_one_device(manual_device)
     step0 = StepRun.objects.get(run=run, index=0)
     wait_for(lambda: not send_pending(step0), what="the first command's send deadline cleared")
 

@@ -370,7 +370,7 @@ class World:
                 and row.attempt == d.attempt
                 and row.status == "dispatched"
             ):
-                self.publish(row)  # jobs/engine/dispatch.py `command_resend`
+                self.publish(row)  # jobs/engine/due.py, the `send` deadline
         for d in deadlines:
             if d.kind == "run":  # a run past its max_duration (jobs/cancel.py `run_time_out`)
                 run_id = UUID(str(d.step_run_id))
