@@ -10,17 +10,16 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  lock operations, deadlines and commands; no I/O
     progress.py  what a step row keeps of an ack or progress, and which are events
     runs.py      how a step's final outcome decides its run (`run_next`, which the planner
-                 asks); the general path's continuation of what a plan leaves (a
-                 rollback, fan-out and compensation rows, other step kinds)
+                 asks), and ending a run
     attempts.py  how an attempt ends (`attempt_outcome`) or is extended
                  (`attempt_extension`)
     start.py     starting the step at a run's cursor by kind, for the steps a plan does
                  not start (kinds.py): its row, which then takes its lock as a plan
                  (`batch.rows_start`)
-    publish.py   the commands a task published without waiting for the broker, confirmed
-                 before it ends (`Publications`)
+    publish.py   sending attempts (`attempts_send`): the commands a task published
+                 without waiting for the broker, confirmed before it ends (`Publications`)
     dispatch.py  a new attempt's fields and deadlines (`attempt_new`), a command's message,
-                 sending and re-sending an attempt
+                 the `cancel` command
     kinds.py     the kinds' registry: what each step kind, row owner, failure policy and
                  deadline kind declared; the stages ask it instead of testing a kind
     plan.py      what a step row executes (spec, target, args, ids); no writes
