@@ -68,6 +68,9 @@ class Queued:
     """The caller waits in the device's queue at `position` (1 = next)."""
 
     position: int
+    # An acquire by a holder already in the queue (asking again): it kept its place, which
+    # is not this acquire's to give back when the acquiring transition is undone.
+    waiting: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -466,7 +469,9 @@ def _outcome(op: dict, result: Any) -> Outcome:
     if kind == "a":
         if result[0] in (1, 2):
             return Grant(op["h"], int(result[1]), held=result[0] == 2)
-        return Queued(int(result[1])) if result[0] == 0 else NotReady()
+        if result[0] == 0:
+            return Queued(int(result[1]), waiting=len(result) > 2 and result[2] == 1)
+        return NotReady()
     if kind == "r":
         return Grant(result[1], int(result[2])) if result[0] == 1 else None
     if kind in ("e", "q"):

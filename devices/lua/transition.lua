@@ -26,8 +26,9 @@
 -- Returns JSON, per group one entry per op:
 --   acquire: [1, fence] when granted, [2, fence] when the caller already holds it (re-acquire
 --     is idempotent, so a redelivered task does not queue behind itself; the caller took
---     nothing, so undoing its transition must not hand the lock on), [0, position] when
---     queued (once: asking again keeps the place), or [-1] while the shard's epoch is
+--     nothing, so undoing its transition must not hand the lock on), [0, position, waiting]
+--     when queued (once: asking again keeps the place; waiting 1 when the caller was in the
+--     queue already, so undoing its transition must not take that place away), or [-1] while the shard's epoch is
 --     missing: granting then could hand a device still executing a command to a second
 --     holder, so nothing is granted until the lock state has been rebuilt (op "s").
 --   release: [1, next holder, next fence] after a hand-off, [0] when the lock is now free,
@@ -77,12 +78,14 @@ local function acquire(s, zset, ready, op)
     zadd_all(zset, op.g)
     return {1, fence}
   end
+  local waiting = 1
   if not redis.call('ZSCORE', queue, op.h) then
     local seq = redis.call('INCR', KEYS[s + 1])
     redis.call('ZADD', queue, (9 - op.p) * BAND + seq, op.h)
+    waiting = 0
   end
   zadd_all(zset, op.q)
-  return {0, redis.call('ZRANK', queue, op.h) + 1}
+  return {0, redis.call('ZRANK', queue, op.h) + 1, waiting}
 end
 
 local function release(s, op)

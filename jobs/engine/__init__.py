@@ -4,7 +4,9 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
 
     batch.py     replies that arrived together, applied in one transaction and one Redis
                  call: end the attempts, move the runs on, start and dispatch the next
-                 steps, hand freed devices to their next waiters, then publish
+                 steps, hand freed devices to their next waiters, then publish; and
+                 the other transitions' entry points (deadlines, cancels, hand-offs)
+    executor.py  carrying a plan out: its writes, the lock call, the commit, the undo
     planner.py   what such a batch decides (run starts, every reply, due deadlines,
                  cancels, rows taking their locks, hand-offs), as a plan of writes,
                  lock operations, deadlines and commands; no I/O

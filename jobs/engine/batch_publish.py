@@ -70,7 +70,7 @@ class LastWrites:
 
 
 class BatchPublish:
-    """Publishing and the last writes. The state is `_Batch`'s (jobs/engine/batch.py)."""
+    """Publishing and the last writes. The state is `Executor`'s (jobs/engine/executor.py)."""
 
     # --- 5. after the commit ---------------------------------------------------------
 

@@ -81,7 +81,8 @@ def test_waiters_are_served_by_priority_then_fifo_and_each_hand_off_grows_the_fe
     assert acquire(device, "a:2") == Queued(2)
     assert acquire(device, "a:urgent", priority=9) == Queued(1)
     assert acquire(device, "a:low", priority=0) == Queued(4)
-    assert acquire(device, "a:1") == Queued(2)  # asking again keeps the place
+    again = acquire(device, "a:1")
+    assert again == Queued(2) and again.waiting  # asking again keeps the place, and says so
     assert device_lock_state(device).queue == ["a:urgent", "a:1", "a:2", "a:low"]
 
     # when each holder releases, then the head of the queue gets the lock with a new fence

@@ -80,14 +80,14 @@ def test_two_replies_for_one_device_in_one_batch_apply_once(stack, manual_device
 def test_a_cancel_between_reading_and_writing_a_batch_wins(stack, manual_device, monkeypatch):
     # given a step in flight, and a cancel that lands after the batch read its row
     device, hand, run, first = two_steps_on_one_device(manual_device)
-    real_init = engine_batch._Batch.__init__
+    real_init = engine_batch.Executor.__init__
 
     def cancel_after_read(self, rows):
         real_init(self, rows)
         if rows:  # the reply batch's read (the cancel is a transition of its own, rows {})
             run_cancel(run=JobRun.objects.get(pk=run.pk), by="tester")
 
-    monkeypatch.setattr(engine_batch._Batch, "__init__", cancel_after_read)
+    monkeypatch.setattr(engine_batch.Executor, "__init__", cancel_after_read)
 
     # when the device's done for that step is applied
     engine_batch.transition_apply(replies=[(device.name, done(first["id"]))])
@@ -110,7 +110,7 @@ def test_a_conflict_applies_the_batch_again_and_the_other_replies_still_go_toget
     # after the batch read its rows (the first read only)
     device_a, hand_a, run_a, first_a = two_steps_on_one_device(manual_device)
     device_b, _, run_b, first_b = two_steps_on_one_device(manual_device)
-    real_init = engine_batch._Batch.__init__
+    real_init = engine_batch.Executor.__init__
     reads = []
 
     def cancel_after_first_read(self, rows):
@@ -121,7 +121,7 @@ def test_a_conflict_applies_the_batch_again_and_the_other_replies_still_go_toget
         if len(reads) == 1:
             run_cancel(run=JobRun.objects.get(pk=run_b.pk), by="tester")
 
-    monkeypatch.setattr(engine_batch._Batch, "__init__", cancel_after_first_read)
+    monkeypatch.setattr(engine_batch.Executor, "__init__", cancel_after_first_read)
 
     # when both devices' dones arrive in one batch
     engine_batch.transition_apply(
@@ -549,3 +549,36 @@ def test_a_due_send_deadline_sends_the_command_again_once(stack, manual_device):
     wait_for(lambda: "step.resent" in kinds(run), what="the re-send recorded")
     wait_for(lambda: not send_pending(step0), what="the re-send's deadline cleared")
     assert kinds(run).count("step.resent") == 1
+
+
+def test_rows_asking_again_for_their_locks_keep_their_places_when_the_transition_is_undone(
+    stack, manual_device, monkeypatch
+):
+    # given three runs' steps waiting, in order, behind a busy device
+    device, _hand, _run, _first = two_steps_on_one_device(manual_device)
+    waiting = []
+    for _ in range(3):
+        run, _ = run_start(template=template_with_steps((device, "later", {})))
+        waiting.append(
+            wait_for(
+                lambda run=run: StepRun.objects.filter(run=run, index=0, status=StepStatus.QUEUED).first(),
+                what="a step queued",
+            )
+        )
+    places = [f"step:{row.pk}" for row in waiting]
+    wait_for(lambda: device_lock_state(device.name).queue == places, what="all three queued in order")
+
+    # when the monitor's sweep asks again for the last two's locks, and that transition
+    # finds a row moved after its lock call, every time (it is undone each time)
+    undone = []
+
+    def moved_after_the_lock_call(plan):
+        undone.append(1)
+        raise engine_batch.BatchConflict("a row moved meanwhile (injected)")
+
+    monkeypatch.setattr(engine_batch.planner, "dispatches_writes", moved_after_the_lock_call)
+    engine_batch.rows_start([waiting[1].pk, waiting[2].pk], quiet=True)
+
+    # then the undo gave back nothing it had not taken: all three still wait in their order
+    assert undone
+    assert device_lock_state(device.name).queue == places

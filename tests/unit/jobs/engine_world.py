@@ -118,12 +118,13 @@ class Locks:
             lock.holder, lock.fence, lock.lease = op["h"], lock.counter, self.now_ms + op["l"]
             self.zset.update({m: s for s, m in op.get("g", [])})
             return Grant(op["h"], lock.fence)
-        if op["h"] not in [h for _, h in lock.queue]:
+        waiting = op["h"] in [h for _, h in lock.queue]
+        if not waiting:
             self.seq += 1
             lock.queue.append(((9 - op["p"]) * BAND + self.seq, op["h"]))
             lock.queue.sort()
         self.zset.update({m: s for s, m in op.get("q", [])})
-        return Queued([h for _, h in lock.queue].index(op["h"]) + 1)
+        return Queued([h for _, h in lock.queue].index(op["h"]) + 1, waiting=waiting)
 
     def _release(self, lock: Lock, op: dict):
         if not op.get("x") and (lock.holder != op["h"] or lock.fence != op["f"]):
