@@ -276,7 +276,7 @@ class Agent:
             if context is not None:
                 context.abandoned.set()
         command = decision.command
-        if decision.verdict is not Verdict.RUN and decision.verdict is not Verdict.IDLE and command:
+        if decision.verdict in (Verdict.DUPLICATE, Verdict.STALE, Verdict.EXPIRED) and command:
             log.info(
                 "iotqueue-device %s: %s command %s: %s",
                 self.device,
