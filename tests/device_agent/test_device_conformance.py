@@ -13,8 +13,8 @@ from iotqueue_device.conformance.__main__ import main as conformance_main
 from rest_framework.authtoken.models import Token
 
 from devices.credentials import device_password_issue, managed
+from tests.device_agent.naive_device import NaiveDevice
 from tests.factories import DeviceFactory
-from tests.iotqueue_device.naive_device import NaiveDevice
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
