@@ -50,9 +50,12 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
 CMD ["gunicorn", "iotqueue.wsgi:application", "--bind", "0.0.0.0:8000"]
 
 # Development tooling on top of the runtime image, for the simulator service only: the
-# simulate and demo commands need nothing beyond the runtime requirements. Never deployed.
+# simulate and demo commands need nothing beyond the runtime requirements and the device agent
+# library's package (iotqueue-device/, importable from /app; its one dependency, paho-mqtt, is
+# in the runtime tree). Never deployed.
 FROM runtime AS sim
 COPY devtools ./devtools
+COPY iotqueue-device/iotqueue_device ./iotqueue_device
 
 # The default target is the last stage: a plain `docker build .` gives the runtime image.
 FROM runtime

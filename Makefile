@@ -10,10 +10,14 @@ RUN_STAMP := $(VENV)/.installed-run
 # Installs come from the lock files (requirements/lock*.txt, written by `make lock` from the
 # human lists requirements*.txt): every package, transitive ones too, pinned with its hashes.
 # What `make run` needs: the runtime requirements plus the embedded servers (requirements-run.txt).
-$(RUN_STAMP): requirements/lock-run.txt
+# Then the device agent library from this checkout (iotqueue-device/, editable: devtools'
+# simulator and demo devices import it): a directory has no hash to lock, so it comes after the
+# locked tree, without dependencies (its one, paho-mqtt, is in the lock).
+$(RUN_STAMP): requirements/lock-run.txt iotqueue-device/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet --require-hashes -r requirements/lock-run.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e ./iotqueue-device
 	touch $(RUN_STAMP)
 
 # Everything development needs (tests, linters): the same plus requirements-dev.txt. A venv

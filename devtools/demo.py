@@ -6,6 +6,9 @@ twelve bulbs chosen by a label selector, whose rate ramps up as bulbs succeed. T
 routine is edited once after it is created, so it has two versions (jobs/services.py
 template_version_record) and its runs execute version 2.
 
+Its devices are played by the device agent library (devtools/demo_devices.py, run by
+`manage.py demo_devices`), not by the simulator.
+
 The demo spans the apps (devices, jobs, triggers), so it lives in devtools, above all of them;
 no product app imports it.
 """
@@ -82,6 +85,9 @@ BULBS_STEP = {
     "rollout_increment_every": 3,
     "rollout_max_per_minute": 600,
 }
+# The demo's devices are played by the device agent library (`manage.py demo_devices`,
+# devtools/demo_devices.py); this config keeps the simulator away from them.
+AGENT_PLAYED = {"simulator": False}
 STATUS_MARK = {
     StepStatus.SUCCEEDED: "ok",
     StepStatus.FAILED: "FAILED",
@@ -106,11 +112,14 @@ def demo_seed() -> str:
             "on a deployment create users with `manage.py createsuperuser`"
         )
     for name, description in DEVICES.items():
-        Device.objects.get_or_create(name=name, defaults={"description": description})
+        Device.objects.get_or_create(name=name, defaults={"description": description, "config": AGENT_PLAYED})
     for template_name, steps in {**TEMPLATES, DOOR_TEMPLATE: DOOR_STEPS}.items():
         _template_seed(template_name, steps)
     for name, labels in BULBS.items():
-        Device.objects.get_or_create(name=name, defaults={"description": "Lab bulb", "labels": labels})
+        Device.objects.get_or_create(
+            name=name, defaults={"description": "Lab bulb", "labels": labels, "config": AGENT_PLAYED}
+        )
+    _agents_play()
     _firmware_template_seed()
     _bulbs_template_seed()
     _triggers_seed()
@@ -119,6 +128,15 @@ def demo_seed() -> str:
     if admin is None:
         admin = user_model.objects.create_superuser("admin", "admin@example.com", "admin")
     return Token.objects.get_or_create(user=admin)[0].key
+
+
+def _agents_play() -> None:
+    """Hand demo devices seeded before they were played by agents over to them (a dev database
+    from an earlier `make run`): otherwise the simulator would answer their commands too."""
+    for device in Device.objects.filter(name__in=[*DEVICES, *BULBS]):
+        if device.config.get("simulator") is not False:
+            device.config = {**device.config, **AGENT_PLAYED}
+            device.save(update_fields=["config", "updated_at"])
 
 
 @transaction.atomic

@@ -1,9 +1,10 @@
 """The dev stack: `python -m devtools.devstack` (what `make run` calls) runs everything locally.
 
 It starts a real Redis and a real MQTT broker on free ports (unless REDIS_URL / MQTT_URL
-are set), migrates, starts a Celery worker, beat, the bridge, the web server and the device
-simulator, then runs the `demo` command (seed devices and templates, trigger runs, show
-progress). Its start-up ends with one block saying how to use the stack (access_block), printed
+are set), migrates, starts a Celery worker, beat, the bridge, the web server, the device
+simulator (for devices added later) and the demo's devices (on the device agent library,
+`manage.py demo_devices`), then runs the `demo` command (seed devices and templates, trigger
+runs, show progress). Its start-up ends with one block saying how to use the stack (access_block), printed
 again when the demo is done. Ctrl-C or SIGTERM stops every child it started. With
 --exit-when-done (implied when CI is set) it stops once the demo runs have finished.
 
@@ -305,7 +306,7 @@ def _web_start(supervisor: Supervisor) -> int:
 def _children_start(supervisor: Supervisor, state_dir: Path) -> int:
     """Start every child and wait until each is ready; returns the web server's port."""
     # Logs are appended across runs: readiness is what this run's children write.
-    names = ("worker", "worker-io", "beat", "bridge", "web", "simulator")
+    names = ("worker", "worker-io", "beat", "bridge", "web", "simulator", "devices")
     offsets = {name: supervisor.log_size(name) for name in names}
     supervisor.start("worker", worker_argv(concurrency=2), restart=True)
     # Webhook deliveries and mail on their own queue and worker (docs/operations.md#queues).
@@ -327,11 +328,14 @@ def _children_start(supervisor: Supervisor, state_dir: Path) -> int:
             str(state_dir / "sim.json"),
         ),
     )
+    # The demo's devices, on the device agent library (devtools/demo_devices.py).
+    supervisor.start("devices", manage_argv("demo_devices", "--state-dir", str(state_dir / "devices")))
     ready = {
         "worker": r"@\S+ ready\.",
         "worker-io": r"@\S+ ready\.",
         "bridge": r"bridge: connected",
         "simulator": r"simulate: \d+ devices online",
+        "devices": r"demo devices: \d+ online",
     }
     for name, pattern in ready.items():
         supervisor.wait_for_log(name, pattern, timeout=READY_TIMEOUT_SECONDS, since=offsets[name])

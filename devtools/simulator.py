@@ -9,6 +9,12 @@ the one in flight. Above all it is the test oracle for the device lock: it recor
 at ERROR, every command that arrives while another the server may still count as in flight
 (no done yet, deadline not passed) is on the same device, and every fencing token that goes
 backwards on a command the server may still count as current.
+
+What to do with each command (run it, a duplicate, stale, expired, superseding the one in
+flight) is decided by the device agent library's core, `iotqueue_device.core.CommandBook`,
+the same rules a device built on that library keeps; this module adds the connections, the
+timed answers and the oracle. The light fleet simulator of `bench.fleet` (bench/fleet_sim.py)
+is separate and unchanged.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import random
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any, NamedTuple
 
 import paho.mqtt.client as mqtt
+from iotqueue_device import protocol as device_protocol
+from iotqueue_device.core import CommandBook, Decision, Verdict
 
 from devices import protocol
 from iotqueue.mqtt import client_connect, client_create
@@ -37,9 +44,6 @@ log = logging.getLogger(__name__)
 # Commands kept per device for received(): plenty for any test's assertions, bounded so a long
 # soak does not grow the simulator. The counters in stats() are never truncated.
 RECEIVED_KEPT = 1000
-# Finished command ids remembered per device to tell a redelivery from a new command. QoS 1
-# redelivery and engine re-sends come within one lease, i.e. a handful of commands.
-RECENT_KEPT = 64
 # How long stop() waits for the broker's PUBACKs of the final "offline" statuses.
 STOP_TIMEOUT_SECONDS = 5.0
 ONLINE, OFFLINE = b"online", b"offline"
@@ -126,54 +130,20 @@ class TokenRegression(NamedTuple):
     token: int
 
 
-def _command_parse(body: Any, topic: str) -> dict[str, Any]:
-    """A received command as a record; raise ProtocolError when it has no usable id or args."""
-    if not isinstance(body, dict):
-        raise protocol.ProtocolError("command must be a JSON object")
-    command_id, args = body.get("id"), body.get("args") or {}
-    if not isinstance(command_id, str) or not command_id:
-        raise protocol.ProtocolError("field 'id' must be a non-empty string")
-    if not isinstance(args, dict):
-        raise protocol.ProtocolError("field 'args' must be a JSON object")
+def _command_parse(body: Any, topic: str) -> tuple[dict[str, Any], device_protocol.Command]:
+    """A received command as a record and as the core reads it; raise ProtocolError when it
+    has no usable id or args."""
+    try:
+        command = device_protocol.command_parse(body, action=topic.partition("/cmd/")[2])
+    except device_protocol.ProtocolError as exc:
+        raise protocol.ProtocolError(str(exc)) from None
     record = {name: body.get(name) for name in ("id", "run", "step", "attempt", "token", "deadline")}
-    action = body.get("action") or topic.partition("/cmd/")[2]
-    return {**record, "action": str(action), "args": args, "topic": topic, "at": time.time()}
+    record = {**record, "action": command.action, "args": command.args, "topic": topic, "at": time.time()}
+    return record, command
 
 
 def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-def _deadline_epoch(command: dict[str, Any]) -> float | None:
-    """A command's `deadline` as epoch seconds; None when it has none or it does not parse."""
-    value = command.get("deadline")
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment.timestamp() if moment.tzinfo is not None else None
-
-
-def _token(command: dict[str, Any]) -> int | None:
-    token = command.get("token")
-    return token if isinstance(token, int) and not isinstance(token, bool) else None
-
-
-@dataclass
-class _Running:
-    """A command the device is executing: its pending progress/done timers, its token, and
-    until when the server may still count it in flight (its deadline; later once the device
-    asked for more time, whether or not the server granted it: the oracle errs towards
-    counting an overlap). None: no usable deadline, in flight for as long as it runs."""
-
-    timers: list[_Timer]
-    token: int | None
-    live_until: float | None
-
-    def live(self, now: float) -> bool:
-        return self.live_until is None or now < self.live_until
 
 
 @dataclass(order=True)
@@ -267,9 +237,10 @@ class SimulatedDevice:
         self._rebooted: set[str] = set()  # commands this device rebooted in the middle of
         self.jobs_current: list[dict[str, Any]] = []  # v1.1 answers to its jobs/get, in order
         self._lock = threading.Lock()
-        self._in_flight: dict[str, _Running] = {}  # command id -> what it is waiting for
-        self._recent: OrderedDict[str, bytes | None] = OrderedDict()  # finished id -> its done payload
-        self._fence: int | None = None
+        # What the device knows (fence, commands in flight, finished ids and their done) and
+        # the decisions drawn from it; the timers of each command in flight beside it.
+        self._book = CommandBook()
+        self._in_flight: dict[str, list[_Timer]] = {}
         self._client: mqtt.Client | None = None
         self.subscribed = threading.Event()
         self._received: deque[dict[str, Any]] = deque(maxlen=RECEIVED_KEPT)
@@ -339,7 +310,7 @@ class SimulatedDevice:
                 **self.counts,
                 "overlaps": len(self.overlaps),
                 "token_regressions": len(self.token_regressions),
-                "in_flight": len(self._in_flight),
+                "in_flight": len(self._book.flights),
                 "online": self.subscribed.is_set(),
             }
 
@@ -376,38 +347,39 @@ class SimulatedDevice:
             log.debug("simulated device %s: ignoring stray message on %s", self.name, message.topic)
             return
         try:
-            command = _command_parse(protocol.payload_json(message.payload), message.topic)
+            record, command = _command_parse(protocol.payload_json(message.payload), message.topic)
         except protocol.ProtocolError as exc:
             with self._lock:
                 self.counts["malformed"] += 1
             log.warning("simulated device %s: malformed command on %s: %s", self.name, message.topic, exc)
             return
-        if command["action"] == protocol.CANCEL_ACTION:
-            self._cancel(command)
+        if command.action == protocol.CANCEL_ACTION:
+            self._cancel(record)
         else:
-            self._command_start(command)
+            self._command_start(record, command)
 
-    def _command_start(self, command: dict[str, Any]) -> None:
-        command_id = command["id"]
+    def _command_start(self, record: dict[str, Any], command: device_protocol.Command) -> None:
+        command_id = command.id
         with self._lock:
-            duplicate = command_id in self._in_flight or command_id in self._recent
+            now = time.time()
+            decision = self._book.command(command, now)
+            duplicate = decision.verdict is Verdict.DUPLICATE
             # received_at (monotonic seconds): when it arrived, for tests that measure a pace;
-            # late: not started, the server had moved past it (set below).
-            record = {**command, "duplicate": duplicate, "late": False, "received_at": time.monotonic()}
+            # late: not started, the server had moved past it.
+            record = {**record, "duplicate": duplicate, "late": False, "received_at": time.monotonic()}
             self._received.append(record)
             if duplicate:
                 self.counts["duplicates"] += 1
-                replay = self._recent.get(command_id)
                 log.info("simulated device %s: duplicate command %s", self.name, command_id)
-                if replay is not None:  # an idempotent device answers a finished command again
-                    self._reply("done", replay)
+                if decision.replay is not None:  # an idempotent device answers a finished command again
+                    self._reply("done", _json(decision.replay))
                 return
-            if not self._admit(command):
+            if not self._admitted(record, decision, now):
                 record["late"] = True
                 return
             self.counts["commands"] += 1
             if self.behaviour.silent:
-                self._remember(command_id, None)
+                self._book.abandon(command_id)
                 return
             self._reply("ack", _json({"id": command_id}))
             if self.behaviour.reboots and command_id not in self._rebooted:
@@ -416,7 +388,7 @@ class SimulatedDevice:
                 # Not from paho's network thread: kill() joins that thread.
                 self._timers.call_later(0, self._reboot)
                 return
-            self._in_flight[command_id] = self._schedule(command)
+            self._in_flight[command_id] = self._schedule(record)
 
     def _reboot(self) -> None:
         """Timer callback: power-cycle; the command in hand is forgotten, jobs/get recovers it."""
@@ -428,76 +400,57 @@ class SimulatedDevice:
         """A jobs/current answer: finish the command it names, unless already at it or done."""
         try:
             answer = protocol.payload_json(payload)
-            command = answer.get("command") if isinstance(answer, dict) else None
-            command = _command_parse(command, "") if command is not None else None
+            body = answer.get("command") if isinstance(answer, dict) else None
+            record, command = _command_parse(body, "") if body is not None else (None, None)
         except protocol.ProtocolError as exc:
             log.warning("simulated device %s: malformed jobs/current: %s", self.name, exc)
             return
         with self._lock:
             self.jobs_current.append(answer)
-            if command is None or command["id"] in self._in_flight or command["id"] in self._recent:
+            if command is None:
                 return
-            if self._admit(command):
-                self._in_flight[command["id"]] = self._schedule(command)
+            now = time.time()
+            decision = self._book.current(command, now)
+            if decision.verdict is Verdict.DUPLICATE:
+                return  # at it already, or done: the server has (or will have) its done
+            if self._admitted(record, decision, now):
+                self._in_flight[command.id] = self._schedule(record)
 
-    def _admit(self, command: dict[str, Any]) -> bool:
-        """Whether to start a new command (docs/protocol.md, late commands), checking the
-        lock and the fence on the way; called with the lock held.
+    def _admitted(self, record: dict[str, Any], decision: Decision, now: float) -> bool:
+        """Whether the core let the command start (docs/protocol.md, late commands), checking
+        the lock and the fence on the way; called with the lock held.
 
         Not started (counted "late", never answered: the server has moved past it): a token
-        lower than one already seen, or a deadline already passed. A higher token supersedes
+        lower than one already seen, or a deadline already passed. A higher token superseded
         the commands in flight: the server only grants it once their attempts ended.
         """
-        now, token, deadline = time.time(), _token(command), _deadline_epoch(command)
-        live = deadline is None or now < deadline
-        if token is not None and self._fence is not None and token < self._fence:
-            if live:
-                regression = TokenRegression(self.name, command["id"], self._fence, token)
+        if decision.verdict is Verdict.STALE:
+            deadline = decision.command.deadline if decision.command else None
+            if deadline is None or now < deadline:
+                fence = self._book.fence if self._book.fence is not None else -1
+                regression = TokenRegression(self.name, record["id"], fence, int(record["token"]))
                 self.token_regressions.append(regression)
-                log.error("FENCING VIOLATION %s, run %s step %s", regression, command["run"], command["step"])
-            return self._late(command, f"token {token} below {self._fence}")
-        if token is not None:
-            self._fence = token
-        if not live:
-            return self._late(command, f"deadline {command['deadline']} passed")
-        self._overlap_check(command, now)
-        if token is not None:
-            self._supersede(token)
+                log.error("FENCING VIOLATION %s, run %s step %s", regression, record["run"], record["step"])
+            return self._late(record, decision.reason)
+        if decision.verdict is Verdict.EXPIRED:
+            return self._late(record, decision.reason)
+        if decision.live:
+            overlap = Overlap(self.name, decision.live[0], record["id"])
+            self.overlaps.append(overlap)
+            log.error("LOCK VIOLATION %s, run %s step %s", overlap, record["run"], record["step"])
+        for command_id in decision.superseded:
+            for timer in self._in_flight.pop(command_id, []):
+                timer.cancel()
+            self.counts["superseded"] += 1
+            log.info("simulated device %s: command %s superseded by %s", self.name, command_id, record["id"])
         return True
 
-    def _late(self, command: dict[str, Any], why: str) -> bool:
+    def _late(self, record: dict[str, Any], why: str) -> bool:
         self.counts["late"] += 1
-        self._remember(command["id"], None)
-        log.info("simulated device %s: late command %s not started: %s", self.name, command["id"], why)
+        log.info("simulated device %s: late command %s not started: %s", self.name, record["id"], why)
         return False
 
-    def _overlap_check(self, command: dict[str, Any], now: float) -> None:
-        """An overlap is a command arriving while another the server may still count in flight
-        (no done yet, deadline not passed) runs here. One whose deadline passed was timed out
-        by the server before it granted the lock on: a late copy, not two holders at once."""
-        live = next(
-            (command_id for command_id, running in self._in_flight.items() if running.live(now)), None
-        )
-        if live is not None:
-            overlap = Overlap(self.name, live, command["id"])
-            self.overlaps.append(overlap)
-            log.error("LOCK VIOLATION %s, run %s step %s", overlap, command["run"], command["step"])
-
-    def _supersede(self, token: int) -> None:
-        """Abandon the commands in flight with a lower token: their attempts ended on the
-        server (done, timeout or cancel), so their done would only be recorded as stale."""
-        for command_id, running in list(self._in_flight.items()):
-            if running.token is not None and running.token < token:
-                for timer in running.timers:
-                    timer.cancel()
-                del self._in_flight[command_id]
-                self._remember(command_id, None)
-                self.counts["superseded"] += 1
-                log.info(
-                    "simulated device %s: command %s superseded by token %s", self.name, command_id, token
-                )
-
-    def _schedule(self, command: dict[str, Any]) -> _Running:
+    def _schedule(self, command: dict[str, Any]) -> list[_Timer]:
         behaviour = self.behaviour
         latency = self._rng.uniform(behaviour.latency_min_ms, behaviour.latency_max_ms) / 1000
         timers = [self._timers.call_later(latency, self._command_finish, command)]
@@ -514,10 +467,11 @@ class SimulatedDevice:
                 }
             )
             timers.append(self._timers.call_later(latency / 10, self._reply, "progress", body))
-        live_until = _deadline_epoch(command)
-        if live_until is not None and behaviour.extend_seconds and not behaviour.reply_topic:
-            live_until = max(live_until, time.time() + latency / 10 + behaviour.extend_seconds)
-        return _Running(timers, _token(command), live_until)
+        if behaviour.extend_seconds and not behaviour.reply_topic:
+            # The oracle errs towards counting an overlap: live for the time asked for,
+            # whether or not the server grants it.
+            self._book.extend(command["id"], time.time() + latency / 10 + behaviour.extend_seconds)
+        return timers
 
     def _command_finish(self, command: dict[str, Any]) -> None:
         """Timer callback: the command is done; it leaves the in-flight set before done is sent,
@@ -529,63 +483,57 @@ class SimulatedDevice:
             and command["action"] not in self.behaviour.failing_actions
         )
         if rejected:
-            body = _json(
-                {"id": command["id"], "ok": False, "status": "rejected", "error": "simulated refusal"}
-            )
+            body = {"id": command["id"], "ok": False, "status": "rejected", "error": "simulated refusal"}
         elif ok:
             result = {"device": self.name, "action": command["action"], "echo": command["args"]}
             if command["action"] == "read_info":
                 result["serial"] = f"SN-{self.name}"
-            body = _json({"id": command["id"], "ok": True, "result": result})
+            body = {"id": command["id"], "ok": True, "result": result}
         else:
-            body = _json({"id": command["id"], "ok": False, "error": "simulated failure", "retryable": True})
+            body = {"id": command["id"], "ok": False, "error": "simulated failure", "retryable": True}
         with self._lock:
-            if self._in_flight.pop(command["id"], None) is None:
+            self._in_flight.pop(command["id"], None)
+            if not self._book.finish(command["id"], body):
                 return  # canceled or abandoned meanwhile
-            self._remember(command["id"], body)
             if rejected:
                 self.counts["rejected"] += 1
             elif not ok:
                 self.counts["failures"] += 1
-        self._reply("done", body)
+        self._reply("done", _json(body))
 
     def _cancel(self, command: dict[str, Any]) -> None:
         """Abort the in-flight command named in args.id: its done says ok=false "canceled"."""
         target = command["args"].get("id")
+        canceled = {"id": target, "ok": False, "error": "canceled", "retryable": False}
         with self._lock:
             self._received.append({**command, "duplicate": False})
             self.counts["commands"] += 1
-            running = self._in_flight.pop(target, None) if isinstance(target, str) else None
-            timers = running.timers if running is not None else None
-            if timers is not None:
-                for timer in timers:
-                    timer.cancel()
+            running = isinstance(target, str) and self._book.abandon(target, canceled)
+            for timer in self._in_flight.pop(target, []) if running else []:
+                timer.cancel()
+            if running:
                 self.counts["canceled"] += 1
-                canceled = _json({"id": target, "ok": False, "error": "canceled", "retryable": False})
-                self._remember(target, canceled)
             if self.behaviour.silent:
                 return
-            if timers is not None:
-                self._reply("done", canceled)
+            if running:
+                self._reply("done", _json(canceled))
             result = {
                 "device": self.name,
                 "action": command["action"],
                 "echo": command["args"],
-                "canceled": timers is not None,
+                "canceled": running,
             }
             self._reply("done", _json({"id": command["id"], "ok": True, "result": result}))
 
-    def _remember(self, command_id: str, done: bytes | None) -> None:
-        self._recent[command_id] = done
-        while len(self._recent) > RECENT_KEPT:
-            self._recent.popitem(last=False)
-
     def _abandon(self) -> None:
+        """The connection is gone (a power cut, a stop): the commands in hand are forgotten,
+        not finished, so jobs/get can hand them back; fence and finished ids are kept."""
         with self._lock:
-            for running in self._in_flight.values():
-                for timer in running.timers:
+            for timers in self._in_flight.values():
+                for timer in timers:
                     timer.cancel()
             self._in_flight.clear()
+            self._book.forget_flights()
 
     def _reply(self, kind: str, payload: bytes) -> None:
         """Publish a reply (QoS 1); legacy devices send only done, on their one reply topic."""

@@ -441,10 +441,11 @@ def test_the_simulator_runs_the_sim_target_which_adds_devtools_to_the_runtime_im
     base, lines = dockerfile_stages()[SIM_TARGET]
     command = command_argv(simulator)[2]
 
-    # then the simulator builds the sim target: the runtime image plus devtools/ and nothing else
+    # then the simulator builds the sim target: the runtime image plus devtools/ and the device
+    # agent library's package (devtools/simulator.py decides with its core), nothing else
     assert simulator["build"]["target"] == SIM_TARGET
     assert base == RUNTIME_TARGET
-    assert copied_sources(lines) == {DEVTOOLS}
+    assert copied_sources(lines) == {DEVTOOLS, "iotqueue-device/iotqueue_device"}
     assert not [line for line in lines if line.startswith("RUN ")], "the sim stage installs nothing"
     # which it needs: its command lives in devtools, installed here because the package is present
     assert get_commands()[command] == DEVTOOLS and DEVTOOLS in settings.INSTALLED_APPS

@@ -50,7 +50,8 @@ FILE_EXTENSIONS = {"py", "lua", "md", "sh", "conf", "yml", "toml", "txt", "js", 
 RUNTIME_EXTENSIONS = {"json", "log", "sqlite3", "crt", "key"}
 SHORT_REF = re.compile(r"^([A-Za-z_]\w*\.[A-Za-z_]\w*)(?:\(\))?$")
 EVENT_KIND = re.compile(r"^((?:run|step|reply|message|lock|schedule|webhook)\.[a-z_]+)$")
-METRIC = re.compile(r"\b(iotqueue_[a-z_]+)")
+# (iotqueue_device.…, the device agent library's package, is a module, not a metric family.)
+METRIC = re.compile(r"\b(iotqueue_(?!device\b)[a-z_]+)")
 API_PATH = re.compile(r"(?<![\w/])(/(?:api|admin)/[^\s`\"')]*|/metrics\b)")
 
 
