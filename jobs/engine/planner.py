@@ -25,14 +25,16 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 |                           |                                   | on or left, `cancel` commands        |
 | due run `run_time_out_plan` | the same                        | the same, timed out; the run ended   |
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
+| a step's outcome decided  | the run                           | the same (`steps_decide`; a fan-out's|
+| elsewhere `steps_decide`  |                                   | summary, a refused start, a delay)   |
 | next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
 |                           |                                   | deadlines written on grant)          |
 | lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
 | hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
 
-What a plan cannot decide (a rollback, a fan-out or compensation row, another step kind,
-flow control, a holder that is no step) is a `Later`: one-at-a-time work the executor runs
-after the commit (jobs/engine/runs.py, dispatch.py). Every row write is a compare-and-set
+What a plan cannot decide (a rollback's compensations, a fan-out or compensation row's
+report to its kind, the start of a step of another kind, a holder that is no step) is a
+`Later`: one-at-a-time work the executor runs after the commit (batch.py `LATER_WORK`). Every row write is a compare-and-set
 (`RowWrite`): when another transition moved a row first, the executor's transaction rolls
 back and the batch is planned again from a fresh read.
 """
