@@ -34,6 +34,7 @@ class DeviceSerializer(BoundedModelSerializer):
             "groups",
             "command_topic",
             "reply_topic",
+            "protocol",
             "config",
             "enabled",
             "presence_required",
