@@ -140,7 +140,10 @@ def answer_topic(request: Request, accepted: bool) -> str:
 def request_parse(device: str, operation: str, job_id: str, raw: bytes) -> Request:
     """Validate a request's body (an empty body is an empty object); raise RequestInvalid
     naming the field, with the clientToken when one could be read."""
-    body = protocol.payload_json(raw) if raw.strip() else {}
+    try:
+        body = protocol.payload_json(raw) if raw.strip() else {}
+    except protocol.ProtocolError as exc:  # oversized, not JSON, too deep, text not storable
+        raise RequestInvalid(str(exc)) from None
     if not isinstance(body, dict):
         raise RequestInvalid("the payload must be a JSON object")
     token = body.get("clientToken")
