@@ -78,7 +78,10 @@ def aws_jobs_register(handler_register) -> None:
     from . import aws_executions, aws_requests  # noqa: F401 (aws_executions: its builders)
 
     for topic_filter in aws_jobs.request_filters():
-        handler_register(topic_filter, aws_requests.aws_request_handle)
+        # Outside the shared group: Mosquitto (2.0.11 here) delivers no $-topic to a $share/
+        # subscription. Each replica then hands on every request; the worker answers the
+        # first copy only (aws_requests.request_first_copy).
+        handler_register(topic_filter, aws_requests.aws_request_handle, shared=False)
 
 
 def kinds_load() -> None:

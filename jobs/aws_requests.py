@@ -23,11 +23,13 @@ engine's compare-and-set (its deadline passed) is answered from the row as it en
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
 
 from celery import current_app
+from django.conf import settings
 
 from devices import aws_jobs, protocol
 from devices.aws_jobs import Request
@@ -37,6 +39,7 @@ from iotqueue.bridge import BRIDGE_MESSAGES, message_again
 from iotqueue.budget import MessageBudget
 from iotqueue.metrics import counter_buffer
 from iotqueue.mqtt import PublishError, publisher
+from iotqueue.redis_conn import redis_connection, redis_key
 
 from .aws_executions import (
     QUEUED_SUFFIX,
@@ -63,6 +66,9 @@ AWS_REQUEST_TASK = "jobs.aws_jobs_request"
 # sending thousands cannot fill the workers' queue ahead of other devices' work.
 AWS_REQUEST_RATE = 5.0
 AWS_REQUEST_BURST = 20
+# How long a request's copies from other bridge replicas are recognised (request_first_copy):
+# they arrive within milliseconds of each other; an SDK's own retry comes after seconds.
+DUPLICATE_SECONDS = 2
 # Text the device itself may show: what a rejected answer's message keeps of a reason.
 MESSAGE_MAX_CHARS = 200
 
@@ -107,6 +113,8 @@ def aws_request_handle(topic: str, payload: bytes) -> None:
 
 def aws_request_answer(payload: dict) -> None:
     """Answer one request (its task payload) on its accepted or rejected topic."""
+    if not request_first_copy(payload):
+        return
     invalid = payload.pop("invalid", None)
     request = Request(**payload)
     if not Device.objects.filter(name=request.device, protocol=DeviceProtocol.AWS_IOT_JOBS).exists():
@@ -130,6 +138,23 @@ def aws_request_answer(payload: dict) -> None:
         publisher.publish(topic, json.dumps(body, separators=(",", ":")).encode())
     except PublishError as exc:
         log.warning("AWS IoT Jobs %s of %s not answered: %s", request.operation, request.device, exc)
+
+
+def request_first_copy(payload: dict) -> bool:
+    """False for a copy of a request another bridge replica handed on already.
+
+    The request filters are subscribed outside the shared group (Mosquitto delivers no
+    $-topic to a $share/ subscription), so with MQTT_SHARED_GROUP set every replica hands
+    on every request: the first task for a request within DUPLICATE_SECONDS answers it.
+    How it fails: a device that sends the very same request twice within that time is
+    answered once (an SDK waits on the topic, so both waits end); without a shared group
+    there is one bridge and nothing to check.
+    """
+    if not settings.MQTT_SHARED_GROUP:
+        return True
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    key = redis_key("aws-request", digest)
+    return bool(redis_connection().set(key, "1", nx=True, ex=DUPLICATE_SECONDS))
 
 
 def pending_get(request: Request) -> dict:
