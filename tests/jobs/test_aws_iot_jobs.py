@@ -5,15 +5,19 @@ connection with its own username and password (tests/aws_sdk_device.py): the fir
 of a fleet written for AWS IoT Jobs, unchanged.
 """
 
+import queue
+
 import pytest
 
 from devices.credentials import device_password_issue, managed
 from devices.profiles import DeviceProtocol
+from jobs.cancel import run_cancel
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.aws_sdk_device import SdkDevice
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
+from tests.mqtt_device import mqtt_client
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -167,3 +171,45 @@ def test_updates_that_answer_nothing_current_are_refused_with_aws_codes(stack, a
     sdk.update(job.job_id, "SUCCEEDED")
     sdk.next("update/accepted")
     wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded")
+
+
+def test_a_canceled_execution_leaves_the_list_and_its_update_is_refused(stack, aws_device):
+    # given an execution started on an AWS IoT Jobs device
+    device, sdk = aws_device()
+    run, _ = run_start(template=template_with_steps((device, "firmware/update", {})))
+    job = sdk.next("notify-next").execution
+    sdk.start_next()
+    sdk.next("start-next/accepted")
+
+    # when its run is canceled
+    run_cancel(run=run, by="test")
+
+    # then the device is told what is pending now: nothing
+    assert sdk.next("notify").jobs in (None, {})
+    # and its update of the canceled execution is refused
+    sdk.update(job.job_id, "SUCCEEDED")
+    assert sdk.next("update/rejected").code == "TerminalStateReached"
+    assert StepRun.objects.get(run=run).status == StepStatus.CANCELED
+
+
+def test_an_aws_device_cannot_listen_to_another_things_jobs(stack, services):
+    if not managed():
+        pytest.skip("this broker's identities are not managed by iotqueue (IOTQUEUE_MQTT_AUTH=none)")
+    # given two AWS IoT Jobs devices
+    device = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
+    other = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
+    password = device_password_issue(device)
+    client = mqtt_client(services.mqtt_url, username=device.name, password=password)
+    granted: queue.Queue = queue.Queue()
+    client.on_subscribe = lambda c, u, mid, codes, p: granted.put(codes)
+    try:
+        # when it subscribes to its own jobs topics and to the other's
+        client.subscribe(f"$aws/things/{device.name}/jobs/#", qos=1)
+        own = granted.get(timeout=10)
+        client.subscribe(f"$aws/things/{other.name}/jobs/#", qos=1)
+        foreign = granted.get(timeout=10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    # then the broker grants its own and refuses the other's
+    assert not own[0].is_failure and foreign[0].is_failure
