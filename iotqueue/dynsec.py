@@ -235,3 +235,25 @@ class Control(ProcessClient):
 
 
 control = Control()
+
+
+def service_role_complete() -> None:
+    """Give the service role the $-topic ACLs (SERVICE_DOLLAR_FILTERS) that a plugin file
+    written before them lacks; idempotent (an ACL it has already is left as it is).
+
+    How it fails: DynsecError when the broker cannot be reached or refuses.
+    """
+    control.execute_checked(
+        [
+            {
+                "command": "addRoleACL",
+                "rolename": SERVICE_ROLE,
+                "acltype": kind,
+                "topic": topic,
+                "allow": True,
+            }
+            for topic in SERVICE_DOLLAR_FILTERS
+            for kind in SERVICE_ACL_TYPES
+        ],
+        tolerate=("already exists",),
+    )
