@@ -198,7 +198,7 @@ def execution_update(request: Request) -> dict:
     """UpdateJobExecution: checked against the device's current execution, then applied by
     the engine as the v1 reply it means; refused with AWS's code when it answers nothing
     current (the engine records it as stale, unknown or foreign, as a v1 reply)."""
-    reply = _update_reply(request)
+    reply = update_reply(request)
     if request.job_id.endswith(QUEUED_SUFFIX):
         raise Refused(
             aws_jobs.INVALID_STATE_TRANSITION,
@@ -268,7 +268,7 @@ def _not_current(request: Request) -> Refused:
     return Refused(aws_jobs.RESOURCE_NOT_FOUND, f"no execution {request.job_id} on this thing")
 
 
-def _update_reply(request: Request) -> protocol.Reply:
+def update_reply(request: Request) -> protocol.Reply:
     """The protocol v1 reply an update means (statusDetails: progress detail or result)."""
     details, command_id = request.status_details, request.job_id
     if request.status == aws_jobs.IN_PROGRESS:
