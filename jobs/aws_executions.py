@@ -132,14 +132,13 @@ def _last_updated(step_run: StepRun):
 
 def device_executions(device: str) -> tuple[StepRun | None, list[StepRun]]:
     """The device's current execution (the step in flight on it, if a command) and the
-    steps queued behind it, oldest first, at most aws_jobs.LIST_MAX."""
-    rows = list(
-        StepRun.objects.select_related("run", "device")
-        .filter(device__name=device, status__in=(*STEP_IN_FLIGHT, StepStatus.QUEUED))
-        .order_by("queued_at", "pk")[: aws_jobs.LIST_MAX + 1]
-    )
-    current = next((row for row in rows if row.status in STEP_IN_FLIGHT and row_commanded(row)), None)
-    queued = [row for row in rows if row.status == StepStatus.QUEUED][: aws_jobs.LIST_MAX]
+    steps queued behind it, oldest first, at most aws_jobs.LIST_MAX (the lock queue's own
+    order puts priority first; the list is AWS's, by time queued)."""
+    rows = StepRun.objects.select_related("run", "device").filter(device__name=device)
+    # The device lock allows one in flight; a task step holds it without being a command.
+    in_flight = rows.filter(status__in=STEP_IN_FLIGHT).order_by("-dispatched_at")[:1]
+    current = next((row for row in in_flight if row_commanded(row)), None)
+    queued = list(rows.filter(status=StepStatus.QUEUED).order_by("queued_at", "pk")[: aws_jobs.LIST_MAX])
     return current, queued
 
 
