@@ -37,6 +37,13 @@ def test_a_device_is_of_the_iotqueue_protocol_unless_told(api, services):
     assert response.json()["protocol"] == "iotqueue"
 
 
+def test_a_new_aws_device_does_not_wait_for_a_status_it_never_sends_unless_told(api, services):
+    created = api.post("/api/devices/", {"name": f"gw-{uuid.uuid4().hex[:8]}", "protocol": "aws-iot-jobs"})
+    assert created.status_code == 201 and created.json()["presence_required"] is False
+    told = {"name": f"gw-{uuid.uuid4().hex[:8]}", "protocol": "aws-iot-jobs", "presence_required": True}
+    assert api.post("/api/devices/", told, format="json").json()["presence_required"] is True
+
+
 def test_an_unknown_protocol_is_refused_naming_the_field(api, services):
     response = api.post(
         "/api/devices/", {"name": f"odd-{uuid.uuid4().hex[:8]}", "protocol": "lwm2m"}, format="json"
