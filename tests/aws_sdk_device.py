@@ -26,24 +26,30 @@ ANSWER_WAIT_SECONDS = 15.0
 QOS = mqtt.QoS.AT_LEAST_ONCE
 
 
+def connection_open(name: str, url: str, *, password: str | None) -> mqtt.Connection:
+    """A connected awscrt MQTT 3.1.1 connection as device `name` (any client id, no TLS)."""
+    address = broker_address(url)
+    connection = mqtt.Connection(
+        client=mqtt.Client(None, None),
+        host_name=address.host,
+        port=address.port,
+        client_id=f"sdk-{uuid.uuid4().hex[:8]}",
+        username=name if password else address.username,
+        password=password if password else address.password,
+        clean_session=True,
+        keep_alive_secs=30,
+        disable_metrics=True,
+    )
+    connection.connect().result(ANSWER_WAIT_SECONDS)
+    return connection
+
+
 class SdkDevice:
     """One thing: a connected IotJobsClient subscribed to all its answers and notifications."""
 
     def __init__(self, name: str, url: str, *, password: str | None) -> None:
         self.name = name
-        address = broker_address(url)
-        self.connection = mqtt.Connection(
-            client=mqtt.Client(None, None),
-            host_name=address.host,
-            port=address.port,
-            client_id=f"sdk-{uuid.uuid4().hex[:8]}",
-            username=name if password else address.username,
-            password=password if password else address.password,
-            clean_session=True,
-            keep_alive_secs=30,
-            disable_metrics=True,
-        )
-        self.connection.connect().result(ANSWER_WAIT_SECONDS)
+        self.connection = connection_open(name, url, password=password)
         self.jobs = iotjobs.IotJobsClient(self.connection)
         self.received: dict[str, queue.Queue[dict[str, Any]]] = {}
         self._subscribe_all()

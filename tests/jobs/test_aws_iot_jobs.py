@@ -8,13 +8,15 @@ of a fleet written for AWS IoT Jobs, unchanged.
 import queue
 
 import pytest
+from awscrt import mqtt_request_response
+from awsiot import V2ServiceException, iotjobs
 
 from devices.credentials import device_password_issue, managed
 from devices.profiles import DeviceProtocol
 from jobs.cancel import run_cancel
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
-from tests.aws_sdk_device import SdkDevice
+from tests.aws_sdk_device import SdkDevice, connection_open
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
@@ -213,3 +215,48 @@ def test_an_aws_device_cannot_listen_to_another_things_jobs(stack, services):
         client.disconnect()
     # then the broker grants its own and refuses the other's
     assert not own[0].is_failure and foreign[0].is_failure
+
+
+def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack, services):
+    # given an AWS IoT Jobs device using the SDK's v2 client (IotJobsClientV2), which
+    # subscribes to .../accepted|rejected as `+` and matches answers by their clientToken
+    device = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
+    password = device_password_issue(device) if managed() else None
+    connection = connection_open(device.name, services.mqtt_url, password=password)
+    options = mqtt_request_response.ClientOptions(
+        max_request_response_subscriptions=4, max_streaming_subscriptions=2
+    )
+    client = iotjobs.IotJobsClientV2(connection, options)
+    try:
+        run, _ = run_start(template=template_with_steps((device, "firmware/update", {"version": "3"})))
+        wait_for(
+            lambda: StepRun.objects.filter(run=run, status=StepStatus.DISPATCHED).exists(), what="dispatch"
+        )
+        thing = {"thing_name": device.name}
+
+        # when it lists, starts and completes its execution
+        pending = client.get_pending_job_executions(iotjobs.GetPendingJobExecutionsRequest(**thing)).result(
+            15
+        )
+        started = client.start_next_pending_job_execution(
+            iotjobs.StartNextPendingJobExecutionRequest(**thing)
+        ).result(15)
+        job_id = started.execution.job_id
+        client.update_job_execution(
+            iotjobs.UpdateJobExecutionRequest(**thing, job_id=job_id, status="SUCCEEDED")
+        ).result(15)
+
+        # then each answer came back, and the run succeeded
+        assert [job.job_id for job in pending.queued_jobs] == [job_id]
+        assert started.execution.job_document["args"] == {"version": "3"}
+        wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded")
+
+        # and a stale update fails with AWS's error code
+        late = client.update_job_execution(
+            iotjobs.UpdateJobExecutionRequest(**thing, job_id=job_id, status="FAILED")
+        )
+        with pytest.raises(V2ServiceException) as refused:
+            late.result(15)
+        assert refused.value.modeled_error.code == "TerminalStateReached"
+    finally:
+        connection.disconnect().result(15)
