@@ -260,3 +260,25 @@ def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack
         assert refused.value.modeled_error.code == "TerminalStateReached"
     finally:
         connection.disconnect().result(15)
+
+
+def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_device):
+    # given an execution of a step allowed two attempts, started on an AWS IoT Jobs device
+    device, sdk = aws_device()
+    template = template_with_steps((device, "firmware/update", {}))
+    template.steps.update(max_attempts=2, backoff_seconds=0)
+    run, _ = run_start(template=template)
+    first = sdk.next("notify-next").execution
+    sdk.start_next()
+    sdk.next("start-next/accepted")
+
+    # when the device reports it FAILED
+    sdk.update(first.job_id, "FAILED", status_details={"reason": "flash error"})
+    sdk.next("update/accepted")
+
+    # then the step's second attempt is the next execution: a new jobId, executionNumber 2
+    again = sdk.next("notify-next").execution
+    assert again.job_id != first.job_id and again.execution_number == 2
+    sdk.start_next()
+    sdk.update(again.job_id, "SUCCEEDED")
+    wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded on its second attempt")
