@@ -8,7 +8,7 @@ of a fleet written for AWS IoT Jobs, unchanged.
 import queue
 
 import pytest
-from awscrt import mqtt_request_response
+from awscrt import mqtt, mqtt_request_response
 from awsiot import V2ServiceException, iotjobs
 
 from devices.credentials import device_password_issue, managed
@@ -20,6 +20,8 @@ from tests.aws_sdk_device import SdkDevice, connection_open
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
+
+QOS0 = mqtt.QoS.AT_MOST_ONCE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -282,3 +284,23 @@ def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_devi
     sdk.start_next()
     sdk.update(again.job_id, "SUCCEEDED")
     wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded on its second attempt")
+
+
+def test_one_things_flood_of_requests_does_not_hold_up_another_things_answers(stack, aws_device):
+    # given two AWS IoT Jobs devices
+    _, flooding = aws_device()
+    _, quiet = aws_device()
+
+    # when one sends a thousand get requests at once
+    sent = 1000
+    for n in range(sent):
+        flooding.connection.publish(
+            f"$aws/things/{flooding.name}/jobs/get", b'{"clientToken": "%d"}' % n, QOS0
+        )
+
+    # then the other's request is still answered
+    quiet.get_pending(token="still-heard")
+    assert quiet.next("get/accepted").client_token == "still-heard"
+    # and the flood beyond its device's budget was dropped, and said so on the timeline
+    dropped = RunEvent.objects.filter(kind="message.dropped", device=flooding.name)
+    wait_for(dropped.exists, what="the flood's dropped-message summary")
