@@ -58,6 +58,7 @@ class DeviceForm(forms.ModelForm):
             "groups",
             "command_topic",
             "reply_topic",
+            "protocol",
             "config",
             "min_interval_seconds",
             "max_per_minute",
@@ -98,7 +99,7 @@ class DeviceAdmin(admin.ModelAdmin):
     # Topics and flow limits are on the device page: the list says what an operator scans
     # for (which devices, where, up or down since when, busy with what) within 1280 px.
     list_display = ["name", "labels_list", "presence", "lock_holder", "queue_length"]
-    list_filter = ["enabled", "online", "presence_required", "groups"]
+    list_filter = ["enabled", "online", "presence_required", "protocol", "groups"]
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
     readonly_fields = ["presence", "lock", "created_at", "updated_at"]

@@ -23,6 +23,7 @@ from iotqueue.names import URL_NAME_LOOKUP_REGEX
 from .credentials import CredentialsUnavailable, IdentityForeign, device_password_issue
 from .labels import device_labels_update
 from .models import Device, DeviceGroup
+from .profiles import DeviceProtocol
 from .selectors import selector_filter, selector_parse
 from .serializers import (
     CredentialsSerializer,
@@ -83,6 +84,9 @@ class IdentityTaken(APIException):
                 "KEY, !KEY, comma-separated (all must hold), e.g. site in (berlin,paris),!legacy.",
             ),
             OpenApiParameter("online", bool, description="Only devices online (true) or offline (false)."),
+            OpenApiParameter(
+                "protocol", str, enum=DeviceProtocol.values, description="Only devices of this protocol."
+            ),
         ]
     ),
     create=extend_schema(
@@ -133,10 +137,21 @@ class DeviceViewSet(viewsets.ModelViewSet):
             if given.lower() not in BOOLEAN_PARAMETER:
                 raise ValidationError({"online": [_("use true or false, not %(given)r") % {"given": given}]})
             queryset = queryset.filter(online=BOOLEAN_PARAMETER[given.lower()])
+        if "protocol" in self.request.query_params:
+            queryset = queryset.filter(protocol=self._protocol_parameter())
         if self.action == "credentials" and not self.request.user.has_perm("devices.view_device"):
             # No existence oracle: to a user who may not see devices, every device is unknown.
             queryset = queryset.none()
         return queryset
+
+    def _protocol_parameter(self) -> str:
+        """`?protocol=`: one of the device protocols, or a 400 naming the parameter."""
+        given = self.request.query_params["protocol"]
+        if given not in DeviceProtocol.values:
+            choices = ", ".join(DeviceProtocol.values)
+            message = _("use one of %(choices)s, not %(given)r") % {"choices": choices, "given": given}
+            raise ValidationError({"protocol": [message]})
+        return given
 
     def dispatch(self, request, *args, **kwargs):
         if request.method in ("GET", "HEAD", "OPTIONS"):

@@ -35,14 +35,15 @@ from django.utils.translation import gettext as _
 from iotqueue.dynsec import ALREADY, MANAGED_MARK, DynsecError, control, managed_by_iotqueue, password_new
 from iotqueue.mqtt import broker_address
 
-from . import protocol
+from . import aws_jobs, protocol
 from .models import Device
+from .profiles import DeviceProtocol
 
 log = logging.getLogger(__name__)
 
 ROLE_PREFIX = "iotqueue-device-"
 # Fields whose change rewrites the device's broker identity.
-IDENTITY_FIELDS = ("name", "enabled", "command_topic", "reply_topic")
+IDENTITY_FIELDS = ("name", "enabled", "command_topic", "reply_topic", "protocol")
 
 
 class CredentialsUnavailable(RuntimeError):
@@ -72,6 +73,11 @@ def device_acls(device: Device) -> list[dict[str, Any]]:
         publish.append(device.reply_topic)
     if device.command_topic and not device.command_topic.startswith("$"):
         subscribe.append(device.command_topic)
+    if device.protocol == DeviceProtocol.AWS_IOT_JOBS:
+        # Its requests, and its notifications and answers, under $aws/things/<name>/jobs/.
+        aws_publish, aws_subscribe = aws_jobs.device_acl_topics(device.name)
+        publish += aws_publish
+        subscribe += aws_subscribe
     return [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in publish] + [
         {"acltype": "subscribePattern", "topic": t, "allow": True} for t in subscribe
     ]

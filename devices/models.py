@@ -9,6 +9,7 @@ from iotqueue.names import url_name_validator
 from iotqueue.topics import topic_name_error
 
 from . import protocol
+from .profiles import DeviceProtocol
 
 
 def device_name_validate(value: str) -> None:
@@ -95,6 +96,17 @@ class Device(models.Model):
         db_index=True,
         validators=[topic_validate],
         help_text=_("Legacy firmware: the device answers on this one topic, not P/<name>/ack|progress|done."),
+    )
+    protocol = models.CharField(
+        _("protocol"),
+        max_length=16,
+        choices=DeviceProtocol.choices,
+        default=DeviceProtocol.IOTQUEUE,
+        help_text=_(
+            "The MQTT API the device's firmware speaks: iotqueue's own (v1.1), or the AWS IoT Jobs "
+            "API on $aws/things/<name>/jobs/... for firmware written for AWS. Changing it rewrites "
+            "the device's broker permissions."
+        ),
     )
     config = models.JSONField(
         _("config"),

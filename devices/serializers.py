@@ -10,6 +10,7 @@ from iotqueue.mqtt import broker_address
 
 from .credentials import IdentityForeign, identity_conflict
 from .models import Device, DeviceGroup, labels_validate
+from .profiles import DeviceProtocol
 from .selectors import SELECTOR_MAX_LENGTH, selector_parse
 from .topic_claims import device_topic_collisions
 
@@ -34,6 +35,7 @@ class DeviceSerializer(BoundedModelSerializer):
             "groups",
             "command_topic",
             "reply_topic",
+            "protocol",
             "config",
             "enabled",
             "presence_required",
@@ -72,6 +74,14 @@ class DeviceSerializer(BoundedModelSerializer):
         )
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})
+        if (
+            self.instance is None
+            and attrs.get("protocol") == DeviceProtocol.AWS_IOT_JOBS
+            and "presence_required" not in self.initial_data
+        ):
+            # AWS IoT Jobs firmware publishes no status: it asks for its work when it connects
+            # (start-next), so a new one does not wait for an "online" it will never send.
+            attrs["presence_required"] = False
         return attrs
 
 

@@ -36,6 +36,9 @@ ADMIN_ROLE = "dynsec-admin"
 # iotqueue's services (web, worker, beat, bridge): every normal topic ($-topics excepted).
 SERVICE_ROLE = "iotqueue-service"
 SERVICE_ACL_TYPES = ("publishClientSend", "publishClientReceive", "subscribePattern", "unsubscribePattern")
+# `#` matches no topic that starts with `$`: the $-topics the services use besides the plugin's
+# own, each named (the AWS IoT Jobs device profile, devices/aws_jobs.py, lives under $aws/things).
+SERVICE_DOLLAR_FILTERS = ("$aws/things/#",)
 # What `mosquitto_ctrl` uses; the plugin reads the count from the file, so it can change.
 PBKDF2_ITERATIONS = 101
 SALT_BYTES = 12
@@ -94,7 +97,8 @@ def config_initial(username: str, password: str) -> dict[str, Any]:
             {
                 "rolename": SERVICE_ROLE,
                 "acls": [
-                    _acl(kind, everything)
+                    _acl(kind, topic)
+                    for topic in (everything, *SERVICE_DOLLAR_FILTERS)
                     for kind in (
                         "publishClientSend",
                         "publishClientReceive",
@@ -231,3 +235,25 @@ class Control(ProcessClient):
 
 
 control = Control()
+
+
+def service_role_complete() -> None:
+    """Give the service role the $-topic ACLs (SERVICE_DOLLAR_FILTERS) that a plugin file
+    written before them lacks; idempotent (an ACL it has already is left as it is).
+
+    How it fails: DynsecError when the broker cannot be reached or refuses.
+    """
+    control.execute_checked(
+        [
+            {
+                "command": "addRoleACL",
+                "rolename": SERVICE_ROLE,
+                "acltype": kind,
+                "topic": topic,
+                "allow": True,
+            }
+            for topic in SERVICE_DOLLAR_FILTERS
+            for kind in SERVICE_ACL_TYPES
+        ],
+        tolerate=("already exists",),
+    )

@@ -56,6 +56,7 @@ class JobsConfig(AppConfig):
         # Protocol v1.1: a device asks for its current command (jobs/current.py answers).
         handler_register(protocol.device_topic("+", protocol.JOBS_GET), replies.jobs_get_handle)
         dynamic_topics_register(replies.legacy_reply_topics)
+        aws_jobs_register(handler_register)
         # The bridge reports what its handlers dropped here (from its run loop, a few rows a window).
         drop_sink_register(replies.dropped_summaries_record)
         # What the reply handlers and the engine decide about a message the bridge received.
@@ -67,6 +68,20 @@ class JobsConfig(AppConfig):
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
         # The monitor tick and retention, fired by beat (jobs/beat.py).
         beat.beat_entries_register(current_app)
+
+
+def aws_jobs_register(handler_register) -> None:
+    """The AWS IoT Jobs device profile: its requests reach jobs/aws_requests.py through the
+    bridge, and importing jobs/aws_executions.py registers its messages (devices/profiles.py)."""
+    from devices import aws_jobs
+
+    from . import aws_executions, aws_requests  # noqa: F401 (aws_executions: its builders)
+
+    for topic_filter in aws_jobs.request_filters():
+        # Outside the shared group: Mosquitto (2.0.11 here) delivers no $-topic to a $share/
+        # subscription. Each replica then hands on every request; the worker answers the
+        # first copy only (aws_requests.request_first_copy).
+        handler_register(topic_filter, aws_requests.aws_request_handle, shared=False)
 
 
 def kinds_load() -> None:

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
-from . import beat, cancel, canvas, current, inbox, monitor, presence, retention, services
+from . import aws_requests, beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
 from .engine import batch, due, taskstep
 from .engine.publish import Publications
@@ -130,6 +130,11 @@ def monitor_tick_task() -> dict:
 @shared_task(base=EngineTask, name=current.JOBS_GET_TASK)  # sent by the bridge's jobs/get handler
 def device_jobs_get_task(device: str) -> None:
     current.device_jobs_answer(device=device)
+
+
+@shared_task(base=EngineTask, name=aws_requests.AWS_REQUEST_TASK)  # sent by the bridge's AWS IoT Jobs handler
+def aws_jobs_request_task(request: dict) -> None:
+    aws_requests.aws_request_answer(request)
 
 
 @shared_task(base=EngineTask, name="jobs.devices_presence")  # sent by jobs/apps.py, one per presence group

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from devices import protocol
+from devices import profiles, protocol
 from iotqueue.mqtt import Message, PublishError, publisher
 
 from ..deadlines import Deadline
@@ -73,7 +73,11 @@ def attempt_new(step_run: StepRun, *, fence: int | None, now: datetime) -> Attem
 def command_message(step_run: StepRun) -> Message:
     """The topic and payload of the step's current command; it expires with its attempt's
     deadline (not sent after it: the attempt times out, and a late copy could reach the
-    device after the next holder's command)."""
+    device after the next holder's command). A device of another protocol than iotqueue's
+    gets its profile's message instead (devices/profiles.py: AWS IoT Jobs' `notify-next`)."""
+    profile_build = profiles.command_builders.get(step_run.device.protocol)
+    if profile_build is not None:
+        return profile_build(step_run)
     payload = protocol.command_payload(
         command_id=step_run.command_id,
         run=str(step_run.run_id),
@@ -93,6 +97,19 @@ CANCEL_ID_PREFIX = "cancel-"
 
 def cancel_command_send(step_run: StepRun) -> None:
     """Tell the device to stop the row's current command (its run was canceled or timed out)."""
+    message = cancel_message(step_run)
+    try:
+        publisher.publish(message.topic, message.payload)
+    except PublishError as exc:
+        event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
+
+
+def cancel_message(step_run: StepRun) -> Message:
+    """The `cancel` command for the row's current command; a device of another protocol gets
+    its profile's message instead (devices/profiles.py: AWS IoT Jobs' `notify`)."""
+    profile_build = profiles.cancel_builders.get(step_run.device.protocol)
+    if profile_build is not None:
+        return profile_build(step_run)
     payload = protocol.command_payload(
         command_id=f"{CANCEL_ID_PREFIX}{step_run.pk}-{uuid.uuid4().hex[:8]}",
         run=str(step_run.run_id),
@@ -103,7 +120,4 @@ def cancel_command_send(step_run: StepRun) -> None:
         args={"id": step_run.command_id},
         deadline=timezone.now().isoformat(),
     )
-    try:
-        publisher.publish(step_run.device.command_topic_for(protocol.CANCEL_ACTION), payload)
-    except PublishError as exc:
-        event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
+    return Message(step_run.device.command_topic_for(protocol.CANCEL_ACTION), payload)

@@ -1,0 +1,128 @@
+"""A device driven by the AWS IoT Device SDK v2 for Python (`awsiotsdk`), as firmware uses it.
+
+It connects with awscrt's own MQTT 3.1.1 client (`awscrt.mqtt.Connection`) over plain TCP
+with the device's username and password, with `disable_metrics=True`: otherwise awscrt
+(0.36) appends its metrics (`?SDK=...&Metadata=...`) to the username, which is then no
+device's name and the broker refuses the login (`awsiot.mqtt_connection_builder` says the
+same with `enable_metrics_collection=False`). No TLS context: a plain listener. Every
+request goes through `awsiot.iotjobs.IotJobsClient`; every answer and notification lands in
+a queue per topic kind, read with a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import uuid
+from typing import Any
+
+from awscrt import mqtt
+from awsiot import iotjobs
+
+from iotqueue.mqtt import broker_address
+
+# How long the test waits for an answer, a notification or the broker's acknowledgement.
+ANSWER_WAIT_SECONDS = 15.0
+QOS = mqtt.QoS.AT_LEAST_ONCE
+
+
+def connection_open(name: str, url: str, *, password: str | None) -> mqtt.Connection:
+    """A connected awscrt MQTT 3.1.1 connection as device `name` (any client id, no TLS)."""
+    address = broker_address(url)
+    connection = mqtt.Connection(
+        client=mqtt.Client(None, None),
+        host_name=address.host,
+        port=address.port,
+        client_id=f"sdk-{uuid.uuid4().hex[:8]}",
+        username=name if password else address.username,
+        password=password if password else address.password,
+        clean_session=True,
+        keep_alive_secs=30,
+        disable_metrics=True,
+    )
+    connection.connect().result(ANSWER_WAIT_SECONDS)
+    return connection
+
+
+class SdkDevice:
+    """One thing: a connected IotJobsClient subscribed to all its answers and notifications."""
+
+    def __init__(self, name: str, url: str, *, password: str | None) -> None:
+        self.name = name
+        self.connection = connection_open(name, url, password=password)
+        self.jobs = iotjobs.IotJobsClient(self.connection)
+        self.received: dict[str, queue.Queue[dict[str, Any]]] = {}
+        self._subscribe_all()
+
+    def _collect(self, kind: str):
+        self.received[kind] = queue.Queue()
+
+        def callback(response) -> None:
+            self.received[kind].put(response)
+
+        return callback
+
+    def _subscribe_all(self) -> None:
+        thing, any_job = {"thing_name": self.name}, {"thing_name": self.name, "job_id": "+"}
+        subscriptions = [
+            ("notify-next", self.jobs.subscribe_to_next_job_execution_changed_events,
+             iotjobs.NextJobExecutionChangedSubscriptionRequest(**thing)),
+            ("notify", self.jobs.subscribe_to_job_executions_changed_events,
+             iotjobs.JobExecutionsChangedSubscriptionRequest(**thing)),
+            ("get/accepted", self.jobs.subscribe_to_get_pending_job_executions_accepted,
+             iotjobs.GetPendingJobExecutionsSubscriptionRequest(**thing)),
+            ("get/rejected", self.jobs.subscribe_to_get_pending_job_executions_rejected,
+             iotjobs.GetPendingJobExecutionsSubscriptionRequest(**thing)),
+            ("start-next/accepted", self.jobs.subscribe_to_start_next_pending_job_execution_accepted,
+             iotjobs.StartNextPendingJobExecutionSubscriptionRequest(**thing)),
+            ("start-next/rejected", self.jobs.subscribe_to_start_next_pending_job_execution_rejected,
+             iotjobs.StartNextPendingJobExecutionSubscriptionRequest(**thing)),
+            ("describe/accepted", self.jobs.subscribe_to_describe_job_execution_accepted,
+             iotjobs.DescribeJobExecutionSubscriptionRequest(**any_job)),
+            ("describe/rejected", self.jobs.subscribe_to_describe_job_execution_rejected,
+             iotjobs.DescribeJobExecutionSubscriptionRequest(**any_job)),
+            ("update/accepted", self.jobs.subscribe_to_update_job_execution_accepted,
+             iotjobs.UpdateJobExecutionSubscriptionRequest(**any_job)),
+            ("update/rejected", self.jobs.subscribe_to_update_job_execution_rejected,
+             iotjobs.UpdateJobExecutionSubscriptionRequest(**any_job)),
+        ]  # fmt: skip
+        for kind, subscribe, request in subscriptions:
+            future, _topic = subscribe(request=request, qos=QOS, callback=self._collect(kind))
+            granted = future.result(ANSWER_WAIT_SECONDS)
+            assert granted == QOS, f"{self.name}: the broker refused the {kind} subscription ({granted})"
+
+    def next(self, kind: str, timeout: float = ANSWER_WAIT_SECONDS):
+        """The next message of `kind` (e.g. "update/rejected"), as the SDK parsed it."""
+        return self.received[kind].get(timeout=timeout)
+
+    def get_pending(self, token: str = "") -> None:
+        request = iotjobs.GetPendingJobExecutionsRequest(thing_name=self.name, client_token=token or None)
+        self.jobs.publish_get_pending_job_executions(request, QOS).result(ANSWER_WAIT_SECONDS)
+
+    def start_next(self, **fields) -> None:
+        request = iotjobs.StartNextPendingJobExecutionRequest(thing_name=self.name, **fields)
+        self.jobs.publish_start_next_pending_job_execution(request, QOS).result(ANSWER_WAIT_SECONDS)
+
+    def describe(self, job_id: str, **fields) -> None:
+        request = iotjobs.DescribeJobExecutionRequest(thing_name=self.name, job_id=job_id, **fields)
+        self.jobs.publish_describe_job_execution(request, QOS).result(ANSWER_WAIT_SECONDS)
+
+    def update(self, job_id: str, status: str, **fields) -> None:
+        request = iotjobs.UpdateJobExecutionRequest(
+            thing_name=self.name, job_id=job_id, status=status, **fields
+        )
+        self.jobs.publish_update_job_execution(request, QOS).result(ANSWER_WAIT_SECONDS)
+
+    def publish_raw(self, suffix: str, payload: bytes) -> None:
+        """Publish bytes the SDK would never send, on $aws/things/<name>/jobs/<suffix>."""
+        topic = f"$aws/things/{self.name}/jobs/{suffix}"
+        future, _ = self.connection.publish(topic, payload, QOS)
+        future.result(ANSWER_WAIT_SECONDS)
+
+    def close(self) -> None:
+        self.connection.disconnect().result(ANSWER_WAIT_SECONDS)
+
+
+def as_dict(payload: Any) -> dict:
+    """A raw JSON payload, for asserting on what the SDK's model does not keep."""
+    return json.loads(payload) if isinstance(payload, (bytes, str)) else payload
