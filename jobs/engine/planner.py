@@ -34,9 +34,10 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 
 What a plan cannot decide (a rollback's compensations, a fan-out or compensation row's
 report to its kind, the start of a step of another kind, a holder that is no step) is a
-`Later`: one-at-a-time work the executor runs after the commit (batch.py `LATER_WORK`). Every row write is a compare-and-set
-(`RowWrite`): when another transition moved a row first, the executor's transaction rolls
-back and the batch is planned again from a fresh read.
+`Later`: one-at-a-time work the executor runs after the commit (batch.py `LATER_WORK`).
+Every row write is a compare-and-set (`RowWrite`): when another transition moved a row
+first, the executor's transaction rolls back and the batch is planned again from a fresh
+read.
 """
 
 from __future__ import annotations
