@@ -246,6 +246,7 @@ class DeviceViewSet(viewsets.ModelViewSet):
                     "certificate": issued.certificate_pem,
                     "private_key": issued.private_key_pem,
                     "ca_certificate": issued.ca_certificate_pem,
+                    "broker_ca_certificate": issued.broker_ca_certificate_pem,
                     "serial": issued.serial,
                     "fingerprint": issued.fingerprint,
                     "not_after": issued.not_after,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -377,6 +378,7 @@ class IssuedCertificate:
 
     certificate_pem: str
     ca_certificate_pem: str
+    broker_ca_certificate_pem: str  # what verifies the broker's own certificate
     private_key_pem: str  # "" when the device sent a CSR: its key never left it
     serial: str
     fingerprint: str
@@ -414,6 +416,7 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
     issued = IssuedCertificate(
         certificate_pem=certificates.certificate_pem(certificate),
         ca_certificate_pem=authority.certificate_pem,
+        broker_ca_certificate_pem=_broker_ca_pem(authority),
         private_key_pem=certificates.key_pem(key) if key is not None else "",
         serial=certificates.certificate_serial(certificate),
         fingerprint=certificates.certificate_fingerprint(certificate),
@@ -428,3 +431,19 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
     device.certificate_not_after = issued.not_after
     log.info("device %s: client certificate %s issued", device.name, issued.serial)
     return issued
+
+
+def _broker_ca_pem(authority: certificates.Authority) -> str:
+    """The CA a device verifies the broker with: IOTQUEUE_BROKER_CA_CERT, or the device CA.
+
+    How it fails: certificates.AuthorityUnavailable when the configured file cannot be read.
+    """
+    path = settings.IOTQUEUE_BROKER_CA_CERT
+    if not path:
+        return authority.certificate_pem
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise certificates.AuthorityUnavailable(
+            _("the broker's CA certificate cannot be read: %(error)s") % {"error": exc}
+        ) from None

@@ -117,8 +117,11 @@ class CertificateSerializer(serializers.Serializer):
         "empty when the device sent a CSR.",
     )
     ca_certificate = serializers.CharField(
-        help_text="The device CA's certificate (PEM). The broker's mTLS listener presents a server "
-        "certificate signed by the deployment's broker CA, which may be another one."
+        help_text="The device CA's certificate (PEM): the certificate's issuer."
+    )
+    broker_ca_certificate = serializers.CharField(
+        help_text="The CA certificate (PEM) the device verifies the broker with (IOTQUEUE_BROKER_CA_CERT; "
+        "the device CA when that is unset)."
     )
     serial = serializers.CharField(help_text="Serial number (hex), kept on the device.")
     fingerprint = serializers.CharField(help_text="SHA-256 fingerprint, kept on the device.")

@@ -456,6 +456,9 @@ if bool(IOTQUEUE_DEVICE_CA_CERT) != bool(IOTQUEUE_DEVICE_CA_KEY):
     raise ImproperlyConfigured(
         "IOTQUEUE_DEVICE_CA_CERT and IOTQUEUE_DEVICE_CA_KEY go together: set both or neither"
     )
+# The CA that signed the broker's own (server) certificate, handed to a certificate device with
+# its certificate so it can verify the broker; empty: the device CA (as in the dev stack).
+IOTQUEUE_BROKER_CA_CERT = env("IOTQUEUE_BROKER_CA_CERT", default="")
 # How long a device certificate is valid: a little over two years, what most TLS stacks accept
 # for a leaf (deploy/make-certs.sh uses the same); never past the CA's own end.
 IOTQUEUE_DEVICE_CERT_DAYS = env.int("IOTQUEUE_DEVICE_CERT_DAYS", default=825)

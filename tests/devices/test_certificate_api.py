@@ -73,7 +73,7 @@ def test_an_issued_certificate_and_key_are_shown_once_and_connect(
             tmp_path,
             certificate_pem=body["certificate"],
             key_pem=body["private_key"],
-            ca_pem=body["ca_certificate"],
+            ca_pem=body["broker_ca_certificate"],
         )
         client = CertificateClient(services.broker.tls_url, files)
         try:
@@ -133,6 +133,22 @@ def test_without_a_device_ca_nothing_is_issued(broker_managed, operator_api, set
     assert "IOTQUEUE_DEVICE_CA_CERT" in response.json()["detail"]
     device.refresh_from_db()
     assert device.certificate_serial == ""
+
+
+@pytest.mark.django_db
+def test_the_broker_ca_handed_to_devices_is_the_configured_one(
+    broker_managed, operator_api, settings, tmp_path
+):
+    # given a deployment whose broker certificate comes from another CA than the device CA
+    broker_ca = certificates.authority_create("broker CA", days=1)
+    path = certificates.files_write(tmp_path, {"broker-ca.crt": broker_ca.certificate_pem})["broker-ca.crt"]
+    settings.IOTQUEUE_BROKER_CA_CERT = str(path)
+
+    body = operator_api.post(url(DeviceFactory()), {}, format="json").json()
+
+    # then the device gets that CA to verify the broker, and the device CA as its issuer
+    assert body["broker_ca_certificate"] == broker_ca.certificate_pem
+    assert body["ca_certificate"] != broker_ca.certificate_pem
 
 
 @pytest.mark.django_db
