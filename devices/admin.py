@@ -24,7 +24,7 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from iotqueue.moments import moment_html
 
-from .certificates import AuthorityUnavailable
+from .certificates import AuthorityUnavailable, NameUnfit
 from .credentials import (
     CredentialsUnavailable,
     IssuedCertificate,
@@ -198,7 +198,7 @@ class DeviceAdmin(admin.ModelAdmin):
             except AuthorityUnavailable as exc:  # the same for every device: say it once
                 self.message_user(request, str(exc), messages.ERROR)
                 return None
-            except (CredentialsUnavailable, DynsecError) as exc:
+            except (CredentialsUnavailable, NameUnfit, DynsecError) as exc:
                 self.message_user(request, f"{device.name}: {exc}", messages.ERROR)
         if not issued:
             return None

@@ -20,7 +20,7 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.mqtt import broker_address
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
-from .certificates import AuthorityUnavailable, CsrRefused
+from .certificates import AuthorityUnavailable, CsrRefused, NameUnfit
 from .credentials import (
     CredentialsUnavailable,
     IdentityForeign,
@@ -201,7 +201,10 @@ class DeviceViewSet(viewsets.ModelViewSet):
         responses={
             201: CertificateSerializer,
             400: OpenApiResponse(description="The CSR is not one, names another device, or has a weak key."),
-            409: OpenApiResponse(description="This broker's device identities are not managed by iotqueue."),
+            409: OpenApiResponse(
+                description="This broker's device identities are not managed by iotqueue, or the device's "
+                "name is longer than a certificate's common name holds (64 characters)."
+            ),
             503: OpenApiResponse(description="No device CA is configured (or readable): nothing was issued."),
         },
         examples=[
@@ -233,7 +236,7 @@ class DeviceViewSet(viewsets.ModelViewSet):
         serializer.is_valid(raise_exception=True)
         try:
             issued = device_certificate_issue(device, csr_pem=serializer.validated_data.get("csr"))
-        except CredentialsUnavailable as exc:
+        except (CredentialsUnavailable, NameUnfit) as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
         except AuthorityUnavailable as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)

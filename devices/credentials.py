@@ -394,7 +394,8 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
     certificate works at once on the mTLS listener, confined by the device's role.
     How it fails: CredentialsUnavailable when identities are not managed here;
     certificates.AuthorityUnavailable when no device CA is configured or readable;
-    certificates.CsrRefused for a CSR of another name or a weak key; DynsecError when the
+    certificates.CsrRefused for a CSR of another name or a weak key; certificates.NameUnfit
+    when the device's name is too long for a certificate; DynsecError when the
     broker refuses or cannot be reached. Nothing is issued or stored in any of these cases.
     """
     if not managed():
@@ -402,6 +403,7 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
             _("this deployment's broker does not take device identities from iotqueue")
             + " (IOTQUEUE_MQTT_AUTH=none)"
         )
+    certificates.common_name_check(device.name)
     authority = certificates.authority_load(settings.IOTQUEUE_DEVICE_CA_CERT, settings.IOTQUEUE_DEVICE_CA_KEY)
     key = None
     if csr_pem is None:

@@ -152,6 +152,19 @@ def test_the_broker_ca_handed_to_devices_is_the_configured_one(
 
 
 @pytest.mark.django_db
+def test_a_device_whose_name_no_certificate_can_hold_gets_none(broker_managed, operator_api):
+    # given a device with a valid name longer than a certificate's common name holds (64)
+    device = DeviceFactory(name="d" * 65)
+
+    response = operator_api.post(url(device), {}, format="json")
+
+    assert response.status_code == 409
+    assert "64" in response.json()["detail"]
+    device.refresh_from_db()
+    assert device.certificate_serial == ""
+
+
+@pytest.mark.django_db
 def test_a_broker_whose_identities_iotqueue_does_not_manage_gets_no_certificate(operator_api, settings):
     # e.g. the pip-only amqtt broker: no dynamic security, so nothing could confine the device
     settings.IOTQUEUE_MQTT_AUTH = "none"
