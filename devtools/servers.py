@@ -119,6 +119,7 @@ class EmbeddedServer:
     tls_url: str = ""
     device_ca_cert: str = ""
     device_ca_key: str = ""
+    _tls: TlsListener | None = field(default=None, repr=False, compare=False)
 
     def settings_environment(self) -> dict[str, str]:
         """The environment variables that point iotqueue at this broker (and its device CA)."""
@@ -139,6 +140,8 @@ class EmbeddedServer:
         """
         self.stop()
         self.process = _run(self._launch, self.port)
+        if self._tls is not None:  # the same port unless another process took it meanwhile
+            self.tls_url = self._tls.url
 
     def __enter__(self) -> Self:
         return self
@@ -247,7 +250,7 @@ def mqtt_broker_start(
     server = _start(launch)
     server.auth = auth
     if tls is not None:
-        server.tls_url = f"mqtts://{HOST}:{tls.port}"
+        server._tls, server.tls_url = tls, tls.url
         server.device_ca_cert, server.device_ca_key = str(tls.ca_cert), str(tls.ca_key)
     return server
 
@@ -284,6 +287,10 @@ class TlsListener:
         }
         paths = certificates.files_write(directory, files)
         return cls(paths["device-ca.crt"], paths["device-ca.key"], paths["server.crt"], paths["server.key"])
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://{HOST}:{self.port}"
 
     def config_lines(self) -> list[str]:
         """The listener's lines for mosquitto.conf (a free port kept from the last start if it still is)."""
