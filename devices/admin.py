@@ -11,7 +11,9 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Count
 from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.translation import gettext as _
@@ -22,7 +24,14 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from iotqueue.moments import moment_html
 
-from .credentials import CredentialsUnavailable, device_password_issue, identity_conflict
+from .certificates import AuthorityUnavailable, NameUnfit
+from .credentials import (
+    CredentialsUnavailable,
+    IssuedCertificate,
+    device_certificate_issue,
+    device_password_issue,
+    identity_conflict,
+)
 from .locks import LockState, device_lock_state, device_lock_states
 from .models import Device, DeviceGroup
 from .topic_claims import device_topic_collisions
@@ -33,6 +42,8 @@ log = logging.getLogger(__name__)
 QUEUE_NAMED = 50
 # Passwords issued by one admin action: each is shown in a message, so a page full at most.
 CREDENTIALS_AT_ONCE = 10
+# Certificates issued by one admin action: each shows its PEM texts on one page, so a few.
+CERTIFICATES_AT_ONCE = 10
 
 
 @admin.register(DeviceGroup)
@@ -102,10 +113,18 @@ class DeviceAdmin(admin.ModelAdmin):
     list_filter = ["enabled", "online", "presence_required", "protocol", "groups"]
     search_fields = ["name", "description"]
     filter_horizontal = ["groups"]
-    readonly_fields = ["presence", "lock", "created_at", "updated_at"]
+    readonly_fields = [
+        "presence",
+        "lock",
+        "certificate_serial",
+        "certificate_fingerprint",
+        "certificate_not_after",
+        "created_at",
+        "updated_at",
+    ]
     # The device page opens with what it does now (the jobs app names the steps waiting for it).
     now_fields = ["presence", "lock"]
-    actions = ["credentials_issue"]
+    actions = ["credentials_issue", "certificate_issue"]
 
     def get_fieldsets(self, request, obj=None):
         """What the device does now (an existing device only), then its fields as the form
@@ -116,6 +135,10 @@ class DeviceAdmin(admin.ModelAdmin):
         return [
             (_("Now"), {"fields": self.now_fields}),
             *fields,
+            (
+                _("Client certificate"),
+                {"fields": ["certificate_serial", "certificate_fingerprint", "certificate_not_after"]},
+            ),
             (None, {"fields": [("created_at", "updated_at")]}),
         ]
 
@@ -163,6 +186,32 @@ class DeviceAdmin(admin.ModelAdmin):
                 "not shown again. The previous password no longer works."
             ) % {"device": device.name, "username": device.name, "password": password}
             self.message_user(request, issued, messages.WARNING)
+
+    @admin.action(
+        description=gettext_lazy("Issue a client certificate and key (shown once)"), permissions=["change"]
+    )
+    def certificate_issue(self, request, queryset):
+        """Sign a certificate for each selected device and show them, with their keys, on one page."""
+        issued: list[tuple[Device, IssuedCertificate]] = []
+        for device in queryset[:CERTIFICATES_AT_ONCE]:
+            try:
+                issued.append((device, device_certificate_issue(device)))
+            except AuthorityUnavailable as exc:  # the same for every device: say it once
+                self.message_user(request, str(exc), messages.ERROR)
+                return None
+            except (CredentialsUnavailable, NameUnfit, DynsecError) as exc:
+                self.message_user(request, f"{device.name}: {exc}", messages.ERROR)
+        if not issued:
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "issued": issued,
+            "title": _("Client certificates issued"),
+        }
+        response = TemplateResponse(request, "admin/devices/device/certificates_issued.html", context)
+        add_never_cache_headers(response)
+        return response
 
     def get_changelist_instance(self, request):
         """What the page's devices do now, read for the whole page at once (`devices_describe`)

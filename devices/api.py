@@ -20,12 +20,20 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.mqtt import broker_address
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
-from .credentials import CredentialsUnavailable, IdentityForeign, device_password_issue
+from .certificates import AuthorityUnavailable, CsrRefused, NameUnfit
+from .credentials import (
+    CredentialsUnavailable,
+    IdentityForeign,
+    device_certificate_issue,
+    device_password_issue,
+)
 from .labels import device_labels_update
 from .models import Device, DeviceGroup
 from .profiles import DeviceProtocol
 from .selectors import selector_filter, selector_parse
 from .serializers import (
+    CertificateRequestSerializer,
+    CertificateSerializer,
     CredentialsSerializer,
     DeviceGroupSerializer,
     DeviceLabelsResultSerializer,
@@ -99,7 +107,8 @@ class DeviceViewSet(viewsets.ModelViewSet):
 
     Writing a device also writes its broker identity (devices/credentials.py) in the same
     transaction: when the broker cannot take it, the answer is 503 and nothing changed.
-    `POST /api/devices/<name>/credentials/` issues a new MQTT password (*change device*).
+    `POST /api/devices/<name>/credentials/` issues a new MQTT password (*change device*);
+    `POST /api/devices/<name>/certificate/` a client certificate for the mTLS listener.
     """
 
     queryset = Device.objects.prefetch_related("groups")
@@ -139,7 +148,9 @@ class DeviceViewSet(viewsets.ModelViewSet):
             queryset = queryset.filter(online=BOOLEAN_PARAMETER[given.lower()])
         if "protocol" in self.request.query_params:
             queryset = queryset.filter(protocol=self._protocol_parameter())
-        if self.action == "credentials" and not self.request.user.has_perm("devices.view_device"):
+        if self.action in ("credentials", "certificate") and not self.request.user.has_perm(
+            "devices.view_device"
+        ):
             # No existence oracle: to a user who may not see devices, every device is unknown.
             queryset = queryset.none()
         return queryset
@@ -196,6 +207,68 @@ class DeviceViewSet(viewsets.ModelViewSet):
         return Response(
             CredentialsSerializer(
                 {"username": device.name, "password": password, "host": address.host, "tls": address.tls}
+            ).data,
+            status=status.HTTP_201_CREATED,
+        )
+
+    @extend_schema(
+        request=CertificateRequestSerializer,
+        responses={
+            201: CertificateSerializer,
+            400: OpenApiResponse(description="The CSR is not one, names another device, or has a weak key."),
+            409: OpenApiResponse(
+                description="This broker's device identities are not managed by iotqueue, or the device's "
+                "name is longer than a certificate's common name holds (64 characters)."
+            ),
+            503: OpenApiResponse(description="No device CA is configured (or readable): nothing was issued."),
+        },
+        examples=[
+            OpenApiExample("iotqueue makes the key", value={}, request_only=True),
+            OpenApiExample(
+                "Sign the device's own key",
+                value={
+                    "csr": "-----BEGIN CERTIFICATE REQUEST-----\n...\n-----END CERTIFICATE REQUEST-----\n"
+                },
+                request_only=True,
+            ),
+        ],
+    )
+    @action(detail=True, methods=["post"], permission_classes=[IsAuthenticated])
+    def certificate(self, request, name=None):
+        """A client certificate (CN = the device's name) signed by the device CA, shown this once.
+
+        For the broker's mTLS listener, where the device is confined by the same role as with
+        a password. Send `csr` to certify the device's own key; otherwise the answer carries a
+        new private key. Earlier certificates stay valid until they expire: disable or delete
+        the device to lock them all out (docs/operations.md, "Certificate devices").
+        """
+        device = self.get_object()
+        if not (
+            request.user.has_perm("devices.view_device") and request.user.has_perm("devices.change_device")
+        ):
+            self.permission_denied(request, message=_("You may not issue device credentials."))
+        serializer = CertificateRequestSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            issued = device_certificate_issue(device, csr_pem=serializer.validated_data.get("csr"))
+        except (CredentialsUnavailable, NameUnfit) as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        except AuthorityUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        except CsrRefused as exc:
+            raise ValidationError({"csr": [str(exc)]}) from None
+        return Response(
+            CertificateSerializer(
+                {
+                    "username": device.name,
+                    "certificate": issued.certificate_pem,
+                    "private_key": issued.private_key_pem,
+                    "ca_certificate": issued.ca_certificate_pem,
+                    "broker_ca_certificate": issued.broker_ca_certificate_pem,
+                    "serial": issued.serial,
+                    "fingerprint": issued.fingerprint,
+                    "not_after": issued.not_after,
+                }
             ).data,
             status=status.HTTP_201_CREATED,
         )

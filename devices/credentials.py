@@ -24,8 +24,10 @@ an unreachable broker fails the operation with nothing changed; `identities_sync
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -35,7 +37,7 @@ from django.utils.translation import gettext as _
 from iotqueue.dynsec import ALREADY, MANAGED_MARK, DynsecError, control, managed_by_iotqueue, password_new
 from iotqueue.mqtt import broker_address
 
-from . import aws_jobs, protocol
+from . import aws_jobs, certificates, protocol
 from .models import Device
 from .profiles import DeviceProtocol
 
@@ -81,6 +83,17 @@ def device_acls(device: Device) -> list[dict[str, Any]]:
     return [{"acltype": "publishClientSend", "topic": t, "allow": True} for t in publish] + [
         {"acltype": "subscribePattern", "topic": t, "allow": True} for t in subscribe
     ]
+
+
+# A disabled device's role: nothing at all. `disableClient` alone does not stop a certificate
+# device: with `use_identity_as_username` Mosquitto never asks the plugin to authenticate it
+# (measured on Mosquitto 2.0.11: it reconnects at once and keeps its role's rights), so the
+# role itself must deny. Receiving is denied too, so a persistent session's subscriptions
+# deliver nothing. disableClient still kicks every connection of that user name at once.
+DISABLED_ACLS = [
+    {"acltype": acltype, "topic": "#", "allow": False}
+    for acltype in ("publishClientSend", "publishClientReceive", "subscribePattern")
+]
 
 
 def _username_check(name: str) -> None:
@@ -183,7 +196,7 @@ def identity_write(device: Device) -> None:
         return
     _username_check(device.name)
     identity = _identity_owned(identity_read(device.name))
-    role, acls = role_name(device.name), device_acls(device)
+    role, acls = role_name(device.name), device_acls(device) if device.enabled else DISABLED_ACLS
     commands: list[dict[str, Any]] = []
     if identity.client is None:
         client = {
@@ -363,3 +376,82 @@ def signals_connect() -> None:
     pre_save.connect(_identity_before, sender=Device, dispatch_uid="devices.identity_before")
     post_save.connect(_identity_saved, sender=Device, dispatch_uid="devices.identity_saved")
     post_delete.connect(_identity_deleted, sender=Device, dispatch_uid="devices.identity_deleted")
+
+
+@dataclass(frozen=True)
+class IssuedCertificate:
+    """A device certificate just issued: the PEM texts, shown once, and what the row keeps."""
+
+    certificate_pem: str
+    ca_certificate_pem: str
+    broker_ca_certificate_pem: str  # what verifies the broker's own certificate
+    private_key_pem: str  # "" when the device sent a CSR: its key never left it
+    serial: str
+    fingerprint: str
+    not_after: datetime.datetime
+
+
+def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> IssuedCertificate:
+    """Sign a client certificate (CN = the device's name) with the device CA; returns it once.
+
+    With `csr_pem` the device's own key is certified; without, a new key is made and
+    returned (the only time it exists outside the device). The row keeps only the serial,
+    fingerprint and end of validity. The device's broker identity is written first, so the
+    certificate works at once on the mTLS listener, confined by the device's role.
+    How it fails: CredentialsUnavailable when identities are not managed here;
+    certificates.AuthorityUnavailable when no device CA is configured or readable;
+    certificates.CsrRefused for a CSR of another name or a weak key; certificates.NameUnfit
+    when the device's name is too long for a certificate; DynsecError when the
+    broker refuses or cannot be reached. Nothing is issued or stored in any of these cases.
+    """
+    if not managed():
+        raise CredentialsUnavailable(
+            _("this deployment's broker does not take device identities from iotqueue")
+            + " (IOTQUEUE_MQTT_AUTH=none)"
+        )
+    certificates.common_name_check(device.name)
+    authority = certificates.authority_load(settings.IOTQUEUE_DEVICE_CA_CERT, settings.IOTQUEUE_DEVICE_CA_KEY)
+    key = None
+    if csr_pem is None:
+        key = certificates.key_new()
+        public_key = key.public_key()
+    else:
+        public_key = certificates.csr_public_key(csr_pem, device_name=device.name)
+    identity_write(device)
+    certificate = certificates.certificate_sign(
+        authority, common_name=device.name, public_key=public_key, days=settings.IOTQUEUE_DEVICE_CERT_DAYS
+    )
+    issued = IssuedCertificate(
+        certificate_pem=certificates.certificate_pem(certificate),
+        ca_certificate_pem=authority.certificate_pem,
+        broker_ca_certificate_pem=_broker_ca_pem(authority),
+        private_key_pem=certificates.key_pem(key) if key is not None else "",
+        serial=certificates.certificate_serial(certificate),
+        fingerprint=certificates.certificate_fingerprint(certificate),
+        not_after=certificate.not_valid_after_utc,
+    )
+    Device.objects.filter(pk=device.pk).update(
+        certificate_serial=issued.serial,
+        certificate_fingerprint=issued.fingerprint,
+        certificate_not_after=issued.not_after,
+    )
+    device.certificate_serial, device.certificate_fingerprint = issued.serial, issued.fingerprint
+    device.certificate_not_after = issued.not_after
+    log.info("device %s: client certificate %s issued", device.name, issued.serial)
+    return issued
+
+
+def _broker_ca_pem(authority: certificates.Authority) -> str:
+    """The CA a device verifies the broker with: IOTQUEUE_BROKER_CA_CERT, or the device CA.
+
+    How it fails: certificates.AuthorityUnavailable when the configured file cannot be read.
+    """
+    path = settings.IOTQUEUE_BROKER_CA_CERT
+    if not path:
+        return authority.certificate_pem
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise certificates.AuthorityUnavailable(
+            _("the broker's CA certificate cannot be read: %(error)s") % {"error": exc}
+        ) from None

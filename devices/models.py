@@ -145,6 +145,19 @@ class Device(models.Model):
     presence_since = models.DateTimeField(
         _("online or offline since"), null=True, blank=True, help_text=_("When the presence last changed.")
     )
+    # The device's current client certificate (devices/credentials.py device_certificate_issue):
+    # what identifies it, never the certificate or its key, which are shown once.
+    certificate_serial = models.CharField(
+        _("certificate serial"), max_length=64, blank=True, editable=False,
+        help_text=_("Serial number (hex) of the last client certificate issued to the device."),
+    )  # fmt: skip
+    certificate_fingerprint = models.CharField(
+        _("certificate fingerprint"), max_length=95, blank=True, editable=False,
+        help_text=_("SHA-256 fingerprint of the last client certificate issued to the device."),
+    )  # fmt: skip
+    certificate_not_after = models.DateTimeField(
+        _("certificate valid until"), null=True, blank=True, editable=False
+    )
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
 

@@ -8,6 +8,7 @@ from rest_framework import serializers
 from iotqueue.api import BoundedModelSerializer
 from iotqueue.mqtt import broker_address
 
+from .certificates import CSR_MAX_CHARS
 from .credentials import IdentityForeign, identity_conflict
 from .models import Device, DeviceGroup, labels_validate
 from .profiles import DeviceProtocol
@@ -44,8 +45,18 @@ class DeviceSerializer(BoundedModelSerializer):
             "online",
             "last_seen",
             "presence_since",
+            "certificate_serial",
+            "certificate_fingerprint",
+            "certificate_not_after",
         ]
-        read_only_fields = ["online", "last_seen", "presence_since"]
+        read_only_fields = [
+            "online",
+            "last_seen",
+            "presence_since",
+            "certificate_serial",
+            "certificate_fingerprint",
+            "certificate_not_after",
+        ]
 
     def validate_name(self, value: str) -> str:
         """Refuse the service user's name (400) and a foreign broker identity's (409).
@@ -92,6 +103,39 @@ class CredentialsSerializer(serializers.Serializer):
         help_text="The broker as iotqueue reaches it; devices may use another address."
     )
     tls = serializers.BooleanField()
+
+
+class CertificateRequestSerializer(serializers.Serializer):
+    """`POST /api/devices/<name>/certificate/`: empty (iotqueue makes the key) or the device's CSR."""
+
+    csr = serializers.CharField(
+        required=False,
+        trim_whitespace=False,
+        max_length=CSR_MAX_CHARS,
+        help_text="A PEM certificate signing request (-----BEGIN CERTIFICATE REQUEST-----) whose "
+        "subject is CN=<device name>, with an RSA (2048 bits or more), EC P-256/384/521 or Ed25519 "
+        "key. Omit it and iotqueue makes the key.",
+    )
+
+
+class CertificateSerializer(serializers.Serializer):
+    username = serializers.CharField(help_text="The device's MQTT identity: its name, the certificate's CN.")
+    certificate = serializers.CharField(help_text="The client certificate (PEM), signed by the device CA.")
+    private_key = serializers.CharField(
+        allow_blank=True,
+        help_text="Its private key (PEM, unencrypted PKCS#8), shown this once and stored nowhere; "
+        "empty when the device sent a CSR.",
+    )
+    ca_certificate = serializers.CharField(
+        help_text="The device CA's certificate (PEM): the certificate's issuer."
+    )
+    broker_ca_certificate = serializers.CharField(
+        help_text="The CA certificate (PEM) the device verifies the broker with (IOTQUEUE_BROKER_CA_CERT; "
+        "the device CA when that is unset)."
+    )
+    serial = serializers.CharField(help_text="Serial number (hex), kept on the device.")
+    fingerprint = serializers.CharField(help_text="SHA-256 fingerprint, kept on the device.")
+    not_after = serializers.DateTimeField(help_text="End of validity.")
 
 
 class LockStateSerializer(serializers.Serializer):

@@ -78,9 +78,21 @@ def access_block(*, web_url: str, api_token: str, metrics_token: str, environmen
             "  In another shell, for the CLI (manage.py) and curl against this stack:",
             f"  export {export}",
             '  e.g. .venv/bin/python manage.py runs   or   curl -H "Authorization: Token $TOKEN" $API/runs/',
+            _certificate_devices_line(environment),
             RULE,
         ]
     )
+
+
+def _certificate_devices_line(environment: Mapping[str, str]) -> str:
+    """Where certificate devices connect (the mTLS listener) and the CA file they trust."""
+    if environment.get("MQTT_TLS_URL"):
+        return (
+            f"  devices  MQTT_TLS_URL={environment['MQTT_TLS_URL']}  "
+            f"CA {environment.get('IOTQUEUE_DEVICE_CA_CERT', '')}  "
+            "(certificate: POST $API/devices/<name>/certificate/)"
+        )
+    return "  devices  no mTLS listener: certificate devices need Mosquitto with dynamic security"
 
 
 def _webhook_receiver_start() -> str:
@@ -164,8 +176,9 @@ def _services_start(servers: list[EmbeddedServer], state_dir: Path) -> dict[str,
         env["REDIS_URL"] = servers[-1].url
     if not os.environ.get("MQTT_URL"):
         servers.append(mqtt_broker_start(state_dir))
-        env["MQTT_URL"] = servers[-1].url
-        env["IOTQUEUE_MQTT_AUTH"] = servers[-1].auth
+        env |= servers[-1].settings_environment()
+        if servers[-1].tls_url:
+            env["MQTT_TLS_URL"] = servers[-1].tls_url
     started = [f"{server.kind} on port {server.port}" for server in servers]
     print(f"  started {', '.join(started) or 'no server: REDIS_URL and MQTT_URL are set'}")
     return env

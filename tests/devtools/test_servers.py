@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -163,6 +164,33 @@ def test_mqtt_broker_round_trips_and_restarts_on_the_same_port(mode: str, tmp_pa
         assert _mqtt_round_trip(broker.port, broker.url) == b"hello"
     assert broker.process.poll() is not None
     assert _refuses(broker.port)
+
+
+def test_mosquitto_with_dynsec_has_an_mtls_listener_for_certificate_devices(tmp_path: Path) -> None:
+    # given the system's Mosquitto with its dynamic security plugin
+    if not servers.dynsec_plugin_find():
+        pytest.skip("no Mosquitto dynamic security plugin on this machine")
+    with servers.mqtt_broker_start(tmp_path, mode="auto") as broker:
+        # then it has an mTLS listener whose server certificate the device CA signed for
+        # localhost and 127.0.0.1, and the settings that let iotqueue sign devices with that CA
+        assert broker.tls_url.startswith("mqtts://127.0.0.1:")
+        environment = broker.settings_environment()
+        assert environment["IOTQUEUE_DEVICE_CA_CERT"] == broker.device_ca_cert
+        assert Path(environment["IOTQUEUE_DEVICE_CA_KEY"]).is_file()
+        tls_port = urlparse(broker.tls_url).port
+        for host in ("localhost", "127.0.0.1"):
+            # a TLS client that checks the host name, without a client certificate: the
+            # handshake verifies the broker, and the broker then wants a certificate
+            context = ssl.create_default_context(cafile=broker.device_ca_cert)
+            with socket.create_connection((servers.HOST, tls_port), timeout=WAIT_SECONDS) as raw:
+                with pytest.raises((ssl.SSLError, ConnectionError, OSError)) as refused:
+                    with context.wrap_socket(raw, server_hostname=host) as tls:
+                        tls.sendall(b"\x10\x00")  # TLS 1.3: the refusal comes with the first read
+                        tls.recv(1)
+                assert not isinstance(refused.value, ssl.SSLCertVerificationError), refused.value
+        # and after a restart the listener is on the same port
+        broker.restart()
+        assert urlparse(broker.tls_url).port == tls_port
 
 
 @pytest.mark.parametrize("start", ["redis_start", "mqtt_broker_start"])

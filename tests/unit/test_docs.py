@@ -25,7 +25,7 @@ PACKAGES = ("iotqueue", "devices", "jobs", "triggers", "webhooks", "devtools")
 # Top-level entries a path in the docs may start with (besides the packages).
 TOP_LEVEL = (*PACKAGES, "tests", "bench", "deploy", "docs", ".ci")
 # Made by deploy/make-certs.sh or at run time, never part of the repository.
-GENERATED = ("deploy/ca", "deploy/certs", "deploy/clients", "var/")
+GENERATED = ("deploy/ca", "deploy/certs", "deploy/clients", "deploy/device-ca", "var/")
 # What the project runs or configures (settings and environment variables are read there).
 SOURCE_GLOBS = ("**/*.py", "**/*.lua", "Makefile", "Dockerfile", "docker-compose.yml", "deploy/*", ".ci/*")
 # Names the docs write as settings or environment variables.
