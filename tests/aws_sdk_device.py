@@ -1,12 +1,16 @@
 """A device driven by the AWS IoT Device SDK v2 for Python (`awsiotsdk`), as firmware uses it.
 
-It connects with awscrt's own MQTT 3.1.1 client (`awscrt.mqtt.Connection`) over plain TCP
-with the device's username and password, with `disable_metrics=True`: otherwise awscrt
-(0.36) appends its metrics (`?SDK=...&Metadata=...`) to the username, which is then no
-device's name and the broker refuses the login (`awsiot.mqtt_connection_builder` says the
-same with `enable_metrics_collection=False`). No TLS context: a plain listener. Every
-request goes through `awsiot.iotjobs.IotJobsClient`; every answer and notification lands in
-a queue per topic kind, read with a bound.
+It connects the way AWS IoT firmware does, with a client certificate on the broker's mTLS
+listener (`awsiot.mqtt_connection_builder.mtls_from_path`, `connection_open_mtls`): the
+certificate's CN is its identity, whatever username and client id the SDK sends. Where the
+broker has no such listener (the pip broker), it uses awscrt's own MQTT 3.1.1 client
+(`awscrt.mqtt.Connection`) over plain TCP with the device's username and password,
+with `disable_metrics=True`: otherwise awscrt (0.36) appends its metrics
+(`?SDK=...&Metadata=...`) to the username, which is then no device's name and the broker
+refuses the login (`mqtt_connection_builder` says the same with
+`enable_metrics_collection=False`). Every request goes through
+`awsiot.iotjobs.IotJobsClient`; every answer and notification lands in a queue per topic
+kind, read with a bound.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import json
 import queue
 import uuid
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from awscrt import mqtt
-from awsiot import iotjobs
+from awsiot import iotjobs, mqtt_connection_builder
 
 from iotqueue.mqtt import broker_address
 
@@ -44,12 +50,32 @@ def connection_open(name: str, url: str, *, password: str | None) -> mqtt.Connec
     return connection
 
 
+def connection_open_mtls(tls_url: str, *, certificate: Path, key: Path, ca: Path) -> mqtt.Connection:
+    """A connected SDK connection on the broker's mTLS listener, as AWS IoT firmware makes
+    it: the client certificate and key, the CA that signed the broker's certificate, a
+    random client id, the SDK's metrics left on (a certificate device's username is
+    ignored: its identity is the certificate)."""
+    address = urlsplit(tls_url)
+    connection = mqtt_connection_builder.mtls_from_path(
+        endpoint=address.hostname,
+        port=address.port,
+        cert_filepath=str(certificate),
+        pri_key_filepath=str(key),
+        ca_filepath=str(ca),
+        client_id=f"sdk-{uuid.uuid4().hex[:8]}",
+        clean_session=True,
+        keep_alive_secs=30,
+    )
+    connection.connect().result(ANSWER_WAIT_SECONDS)
+    return connection
+
+
 class SdkDevice:
     """One thing: a connected IotJobsClient subscribed to all its answers and notifications."""
 
-    def __init__(self, name: str, url: str, *, password: str | None) -> None:
+    def __init__(self, name: str, connection: mqtt.Connection) -> None:
         self.name = name
-        self.connection = connection_open(name, url, password=password)
+        self.connection = connection
         self.jobs = iotjobs.IotJobsClient(self.connection)
         self.received: dict[str, queue.Queue[dict[str, Any]]] = {}
         self._subscribe_all()

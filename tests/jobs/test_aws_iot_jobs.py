@@ -1,23 +1,27 @@
 """The AWS IoT Jobs profile against the real stack, driven by the AWS IoT Device SDK v2 for Python.
 
-A device of protocol `aws-iot-jobs` runs `awsiot.iotjobs.IotJobsClient` over a plain MQTT
-connection with its own username and password (tests/aws_sdk_device.py): the firmware
-of a fleet written for AWS IoT Jobs, unchanged.
+A device of protocol `aws-iot-jobs` runs `awsiot.iotjobs.IotJobsClient` with a client
+certificate iotqueue issued, on the broker's mTLS listener (or, on the pip broker, which has
+none, over a plain connection), and one test runs the SDK's v2 client with the device's
+username and password (tests/aws_sdk_device.py): the firmware of a fleet written for AWS
+IoT Jobs, unchanged.
 """
 
 import queue
+from pathlib import Path
 
 import pytest
 from awscrt import mqtt, mqtt_request_response
 from awsiot import V2ServiceException, iotjobs
 
-from devices.credentials import device_password_issue, managed
+from devices.credentials import device_certificate_issue, device_password_issue, managed
 from devices.profiles import DeviceProtocol
 from jobs.cancel import run_cancel
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
-from tests.aws_sdk_device import SdkDevice, connection_open
+from tests.aws_sdk_device import SdkDevice, connection_open, connection_open_mtls
 from tests.conftest import wait_for
+from tests.devices.certificate_client import files_for
 from tests.factories import DeviceFactory, template_with_steps
 from tests.mqtt_device import mqtt_client
 
@@ -26,15 +30,34 @@ QOS0 = mqtt.QoS.AT_MOST_ONCE
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 
+def sdk_connection(services, device, directory: Path):
+    """The SDK's connection for `device`: with a client certificate iotqueue issued, on the
+    broker's mTLS listener, where it has one (Mosquitto with identities iotqueue manages);
+    else with its password on the plain listener (the pip broker has no certificate
+    listener, and no identities of iotqueue's: no password either)."""
+    tls_url = services.broker.tls_url if services.broker is not None else ""
+    if tls_url and managed():
+        issued = device_certificate_issue(device)
+        files = files_for(
+            directory,
+            certificate_pem=issued.certificate_pem,
+            key_pem=issued.private_key_pem,
+            ca_pem=issued.broker_ca_certificate_pem,
+        )
+        return connection_open_mtls(tls_url, certificate=files.certificate, key=files.key, ca=files.ca)
+    password = device_password_issue(device) if managed() else None
+    return connection_open(device.name, services.mqtt_url, password=password)
+
+
 @pytest.fixture
-def aws_device(services):
-    """aws_device() -> (Device, SdkDevice): a new aws-iot-jobs device, connected with the SDK."""
+def aws_device(services, tmp_path):
+    """aws_device() -> (Device, SdkDevice): a new aws-iot-jobs device, connected with the SDK
+    (over mTLS with its certificate where the broker has a certificate listener)."""
     made = []
 
     def make():
         device = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
-        password = device_password_issue(device) if managed() else None
-        sdk = SdkDevice(device.name, services.mqtt_url, password=password)
+        sdk = SdkDevice(device.name, sdk_connection(services, device, tmp_path / device.name))
         made.append(sdk)
         return device, sdk
 
@@ -49,10 +72,14 @@ def run_status(run: JobRun) -> str:
 
 
 def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
-    stack, aws_device, manual_device
+    stack, services, aws_device, manual_device
 ):
-    # given an AWS IoT Jobs device, and an iotqueue device working at the same time
+    # given an AWS IoT Jobs device (logged in with its certificate where the broker has an
+    # mTLS listener: it has no password), and an iotqueue device working at the same time
     device, sdk = aws_device()
+    if services.broker is not None and services.broker.tls_url and managed():
+        device.refresh_from_db()
+        assert device.certificate_serial
     first, _ = run_start(template=template_with_steps((device, "firmware/update", {"version": "2.1"})))
     second, _ = run_start(template=template_with_steps((device, "reboot", {})))
     other = DeviceFactory()
@@ -222,6 +249,7 @@ def test_an_aws_device_cannot_listen_to_another_things_jobs(stack, services):
 def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack, services):
     # given an AWS IoT Jobs device using the SDK's v2 client (IotJobsClientV2), which
     # subscribes to .../accepted|rejected as `+` and matches answers by their clientToken
+    # (over its password, so that both ways in are run with the SDK)
     device = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
     password = device_password_issue(device) if managed() else None
     connection = connection_open(device.name, services.mqtt_url, password=password)
