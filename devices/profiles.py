@@ -26,9 +26,11 @@ class DeviceProtocol(models.TextChoices):
 # A row (jobs.StepRun, duck-typed: devices never imports jobs) -> the message to publish.
 MessageBuilder = Callable[[Any], Message]
 
-# protocol -> what a dispatched attempt publishes, and what a canceled one publishes.
+# protocol -> what a dispatched attempt publishes, what a canceled one publishes, and what
+# a device is told when a step joins its queue (iotqueue's own protocol tells it nothing).
 command_builders: dict[str, MessageBuilder] = {}
 cancel_builders: dict[str, MessageBuilder] = {}
+queued_builders: dict[str, MessageBuilder] = {}
 
 
 def command_builder(protocol: str) -> Callable[[MessageBuilder], MessageBuilder]:
@@ -46,6 +48,17 @@ def cancel_builder(protocol: str) -> Callable[[MessageBuilder], MessageBuilder]:
 
     def register(build: MessageBuilder) -> MessageBuilder:
         cancel_builders[protocol] = build
+        return build
+
+    return register
+
+
+def queued_builder(protocol: str) -> Callable[[MessageBuilder], MessageBuilder]:
+    """Decorator: `build(row)` makes the message that tells a `protocol` device a step (the
+    row) joined its queue."""
+
+    def register(build: MessageBuilder) -> MessageBuilder:
+        queued_builders[protocol] = build
         return build
 
     return register

@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from devices import aws_jobs
-from devices.profiles import DeviceProtocol, cancel_builder, command_builder
+from devices.profiles import DeviceProtocol, cancel_builder, command_builder, queued_builder
 from iotqueue.mqtt import Message
 
 from .engine.kinds import row_commanded
@@ -167,10 +167,11 @@ def notify_next_message(step_run: StepRun) -> Message:
 
 
 @cancel_builder(DeviceProtocol.AWS_IOT_JOBS)
+@queued_builder(DeviceProtocol.AWS_IOT_JOBS)
 def notify_message(step_run: StepRun) -> Message:
-    """What tells an AWS IoT Jobs device its execution was canceled: `notify` with the
-    executions pending now (the canceled one no longer among them); its next update of the
-    canceled one is refused (TerminalStateReached)."""
+    """`notify` with the executions pending now, for an AWS IoT Jobs device: when its
+    execution was canceled (no longer among them; its next update of it is refused,
+    TerminalStateReached), and when a step joined its queue (a new queued execution)."""
     device = step_run.device.name
     payload = aws_jobs.notify_list(*pending_lists(*device_executions(device)))
     return Message(aws_jobs.jobs_topic(device, "notify"), _json(payload))

@@ -104,6 +104,19 @@ def cancel_command_send(step_run: StepRun) -> None:
         event_record("step.publish_failed", step_run=step_run, message=f"cancel command: {exc}")
 
 
+def queued_notice_send(step_run: StepRun) -> None:
+    """Tell the row's device that a step joined its queue, if its protocol says anything
+    then (devices/profiles.py: AWS IoT Jobs' `notify` with the executions pending)."""
+    build = profiles.queued_builders.get(step_run.device.protocol)
+    if build is None:
+        return
+    message = build(step_run)
+    try:
+        publisher.publish(message.topic, message.payload)
+    except PublishError as exc:
+        event_record("step.publish_failed", step_run=step_run, message=f"queue notice: {exc}")
+
+
 def cancel_message(step_run: StepRun) -> Message:
     """The `cancel` command for the row's current command; a device of another protocol gets
     its profile's message instead (devices/profiles.py: AWS IoT Jobs' `notify`)."""

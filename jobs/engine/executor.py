@@ -31,7 +31,7 @@ from ..models import StepRun
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
-from .dispatch import cancel_command_send
+from .dispatch import cancel_command_send, queued_notice_send
 from .plan import step_holder
 from .planner import Plan, RowWrite
 
@@ -83,12 +83,15 @@ def transition(
 
 
 def _committed(batch: Executor, later: Mapping[str, Callable[..., None]]) -> None:
-    """After a transition's commit: the cancels and the commands leave, the events are
-    told, then the plan's one-at-a-time leftovers run."""
+    """After a transition's commit: the cancels and the commands leave, devices whose
+    protocol wants to hear of a step joining their queue are told, the events are told,
+    then the plan's one-at-a-time leftovers run."""
     try:
         for row in batch.plan.cancels:
             safely(partial(cancel_command_send, row))
         batch.publish()
+        for row in batch.plan.queued.values():
+            safely(partial(queued_notice_send, row))
     finally:
         batch.events.committed()  # logged and told out once committed, after the commands left
     for work in batch.later_work(later):

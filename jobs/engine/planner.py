@@ -156,6 +156,7 @@ class Plan:
     handed: list[tuple[str, Grant]] = field(default_factory=list)
     dispatches: list[StepRun] = field(default_factory=list)  # published after the commit
     cancels: list[StepRun] = field(default_factory=list)  # their device is sent a `cancel`
+    queued: dict[str, StepRun] = field(default_factory=dict)  # device -> a row that joined its queue
     run_deadlines: dict[Deadline, datetime] = field(default_factory=dict)  # after the commit
     rebuild: bool = False  # Redis lost the locks: rebuild them after the commit
     quiet: bool = False  # no `step.waiting` events (the monitor's sweep asking again)
@@ -761,8 +762,12 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
             _spaced(plan, row)
         elif isinstance(outcome, Grant):
             _dispatch(plan, row, attempt, outcome.fence)
-        elif isinstance(outcome, Queued) and not plan.quiet:
-            plan.events.add("step.waiting", step_run=row, message=f"device busy, position {outcome.position}")
+        elif isinstance(outcome, Queued):
+            if not outcome.waiting:
+                plan.queued.setdefault(row.device.name, row)
+            if not plan.quiet:
+                position = outcome.position
+                plan.events.add("step.waiting", step_run=row, message=f"device busy, position {position}")
         elif isinstance(outcome, NotReady):
             plan.rebuild = True
 

@@ -92,6 +92,11 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     assert woken.job_id == step.command_id and woken.status == "QUEUED"
     assert woken.execution_number == step.attempt and woken.version_number == 1
 
+    # and when the second run's step joins its queue, notify lists both, in their order
+    listed = sdk.next("notify").jobs
+    assert [job.job_id for job in listed["QUEUED"]][0] == step.command_id
+    assert len(listed["QUEUED"]) == 2
+
     # and get lists it first among the queued executions, the second run behind it
     sdk.get_pending(token="list-1")
     pending = sdk.next("get/accepted")
