@@ -33,7 +33,7 @@ REQUIRED_VARIABLES = ("SECRET_KEY", "ALLOWED_HOSTS", "POSTGRES_PASSWORD", "REDIS
 # What an operator would set, to interpolate the file with.
 OPERATOR_ENV = {name: f"{name.lower()}-value" for name in REQUIRED_VARIABLES}
 # The only ports published on the host: the web server and the broker's TLS listener for devices.
-PUBLISHED = {("web", 8000), ("mosquitto", 8883)}
+PUBLISHED = {("web", 8000), ("mosquitto", 8883), ("mosquitto", 8884)}
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::([?-])([^}]*))?\}")
 CELERY_SUBCOMMANDS = ("worker", "beat")
 # The shared app environment's URL variables and the compose service each must name.
@@ -147,6 +147,11 @@ def test_app_service_uses_the_shared_anchor(name):
         # the bridge adds its stable client id to the shared environment (<<: *app-environment)
         assert environment.pop("MQTT_BRIDGE_CLIENT_ID")
         assert environment == app["environment"], "bridge does not extend the shared environment"
+    elif name == "web":
+        # web adds the device CA it signs certificate devices' certificates with
+        for variable in ("IOTQUEUE_DEVICE_CA_CERT", "IOTQUEUE_DEVICE_CA_KEY", "IOTQUEUE_BROKER_CA_CERT"):
+            assert environment.pop(variable).startswith("/device-ca/"), variable
+        assert environment == app["environment"], "web does not extend the shared environment"
     else:
         assert environment is app["environment"], f"{name} does not use <<: *app"
 
@@ -335,10 +340,16 @@ def test_mosquitto_serves_devices_over_tls_and_the_app_in_plain_inside():
     config, mounts = mosquitto_config()
     app_port = urlparse(interpolate(compose_load()["x-app"]["environment"]["MQTT_URL"])).port
 
-    # then it listens on the app's port (not published) and on a TLS port for devices
+    # then it listens on the app's port (not published), on a TLS port for devices with a
+    # password, and on an mTLS port for devices with a certificate of the device CA (its CN
+    # the user name)
     listeners = [int(port) for port in config_values(config, "listener")]
-    assert sorted(listeners) == [app_port, 8883]
-    tls_section = config.split("listener 8883", 1)[1]
+    assert sorted(listeners) == [app_port, 8883, 8884]
+    mtls_section = config.split("listener 8884", 1)[1]
+    assert config_values(mtls_section, "cafile")[0] == "/mosquitto/certs/device-ca.crt"
+    assert config_values(mtls_section, "require_certificate")[0] == "true"
+    assert config_values(mtls_section, "use_identity_as_username")[0] == "true"
+    tls_section = config.split("listener 8883", 1)[1].split("listener 8884", 1)[0]
     for option, name in (("cafile", "ca.crt"), ("certfile", "server.crt"), ("keyfile", "server.key")):
         assert config_values(tls_section, option) == [f"/mosquitto/certs/{name}"], option
     # with the certificates deploy/make-certs.sh writes, mounted read-only

@@ -70,6 +70,7 @@ def test_the_admin_form_refuses_them_too(sensor_rule):
         "config": "{}",
         "min_interval_seconds": 0,
         "max_per_minute": 0,
+        "protocol": "iotqueue",
     }
 
     for field, topic in (

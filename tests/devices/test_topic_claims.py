@@ -92,6 +92,7 @@ def test_the_admin_form_refuses_the_same(press):
         "config": "{}",
         "min_interval_seconds": "0",
         "max_per_minute": "0",
+        "protocol": "iotqueue",
         "enabled": "on",
         "presence_required": "on",
     }

@@ -94,7 +94,7 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
 
     # and when the second run's step joins its queue, notify lists both, in their order
     listed = sdk.next("notify").jobs
-    assert [job.job_id for job in listed["QUEUED"]][0] == step.command_id
+    assert listed["QUEUED"][0].job_id == step.command_id
     assert len(listed["QUEUED"]) == 2
 
     # and get lists it first among the queued executions, the second run behind it
