@@ -156,7 +156,9 @@ def test_healthcheck_bridge_fails_once_the_bridge_is_frozen(stack, services):
         stack.supervisor.kill("health-bridge", signal.SIGSTOP)
 
         # then its check fails within the bound, saying it is frozen (its heartbeat stale)
-        failed = wait_for(lambda: check_failed(client_id), timeout=FROZEN_BRIDGE_SECONDS, what="a failed check")
+        failed = wait_for(
+            lambda: check_failed(client_id), timeout=FROZEN_BRIDGE_SECONDS, what="a failed check"
+        )
         assert "frozen" in failed.reason, failed.reason
         # and the command exits 1 saying so. (A command that starts Django on a loaded
         # machine may run after the heartbeat's key expired, BRIDGE_HEARTBEAT_TTL_SECONDS
