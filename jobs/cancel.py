@@ -1,22 +1,32 @@
-"""Stopping work: cancel a run, time out a run past its max_duration, force-release a
-device's lock."""
+"""Stopping work: cancel a run, cancel a whole Celery canvas by its root id, time out a run
+past its max_duration, force-release a device's lock."""
 
 from __future__ import annotations
 
+from django.db.models import Q
+
 from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
+from iotqueue.redis_conn import redis_connection, redis_key
 
 from .engine.batch import attempt_end_apply, rows_start, run_cancel_apply, run_time_out_apply
 from .engine.kinds import run_deadline
 from .engine.plan import holder_step_id
 from .events import event_record
 from .models import (
+    RUN_TERMINAL,
     STEP_IN_FLIGHT,
+    CanvasLink,
     JobRun,
     RunStatus,
     StepRun,
     StepStatus,
 )
+
+# How long a canceled canvas's marker refuses its later device commands: a week is far longer
+# than a canvas stays in flight (Celery forgets its results after a day, result_expires), and
+# the key is one short string per canceled canvas.
+CANVAS_CANCELED_SECONDS = 7 * 24 * 3600
 
 
 def run_cancel(*, run: JobRun, by: str) -> bool:
@@ -31,6 +41,45 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     if canceled:
         run.status = RunStatus.CANCELED
     return canceled
+
+
+def canvas_canceled_key(root_id: str) -> str:
+    return redis_key("canvas-canceled", root_id)
+
+
+def canvas_canceled_by(root_id: str) -> str | None:
+    """Who canceled the canvas of this root id, or None while it is not canceled.
+
+    How it fails: raises RedisError without Redis; the park task retries on it, so a
+    device command of any canvas waits for Redis rather than start unchecked.
+    """
+    by = redis_connection().get(canvas_canceled_key(root_id))
+    return by.decode() if isinstance(by, bytes) else by
+
+
+def canvas_links(root_id: str):
+    """The links (`CanvasLink`) of the canvas whose root task has this id: the root itself
+    when it was a device command, and every link that inherited it as `root_id`."""
+    return CanvasLink.objects.filter(Q(request__root_id=root_id) | Q(task_id=root_id))
+
+
+def canvas_cancel(*, root_id: str, by: str) -> int | None:
+    """Cancel a whole canvas: every run of it that has not ended, and its later commands.
+
+    Returns how many runs were canceled, or None when no device command of that root id
+    was ever parked (an unknown canvas). The marker is set first, then the runs are read:
+    a command parking meanwhile either sees the marker before it starts a run, or its
+    run is committed before the read and canceled here, or it reads the marker after its
+    commit and cancels its own run (jobs/canvas.py `canvas_park`). Each run is canceled
+    through `run_cancel`, so its timeline says who canceled it, and its link fails
+    (DeviceCommandFailed): its chain stops and its errbacks run.
+    """
+    if not canvas_links(root_id).exists():
+        return None
+    who = by or "unknown"
+    redis_connection().set(canvas_canceled_key(root_id), who, ex=CANVAS_CANCELED_SECONDS)
+    runs = JobRun.objects.filter(canvas_link__in=canvas_links(root_id)).exclude(status__in=RUN_TERMINAL)
+    return sum(run_cancel(run=run, by=who) for run in runs.order_by("created_at"))
 
 
 @run_deadline("run")
