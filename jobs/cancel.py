@@ -7,7 +7,6 @@ from django.db.models import Q
 
 from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
-from iotqueue.redis_conn import redis_connection, redis_key
 
 from .engine.batch import attempt_end_apply, rows_start, run_cancel_apply, run_time_out_apply
 from .engine.kinds import run_deadline
@@ -18,15 +17,16 @@ from .models import (
     STEP_IN_FLIGHT,
     CanvasLink,
     JobRun,
+    RunEvent,
     RunStatus,
     StepRun,
     StepStatus,
 )
 
-# How long a canceled canvas's marker refuses its later device commands: a week is far longer
-# than a canvas stays in flight (Celery forgets its results after a day, result_expires), and
-# the key is one short string per canceled canvas.
-CANVAS_CANCELED_SECONDS = 7 * 24 * 3600
+# The event that marks a canvas canceled (no run; data: root_id, by). The database, not Redis,
+# holds it, so a Redis restart cannot let a canceled canvas start commands again; it goes
+# with the other events of no run (IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS).
+CANVAS_CANCELED = "canvas.canceled"
 
 
 def run_cancel(*, run: JobRun, by: str) -> bool:
@@ -43,18 +43,14 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     return canceled
 
 
-def canvas_canceled_key(root_id: str) -> str:
-    return redis_key("canvas-canceled", root_id)
-
-
 def canvas_canceled_by(root_id: str) -> str | None:
     """Who canceled the canvas of this root id, or None while it is not canceled.
 
-    How it fails: raises RedisError without Redis; the park task retries on it, so a
-    device command of any canvas waits for Redis rather than start unchecked.
+    One query on the event kind's index. How it fails: raises DatabaseError without the
+    database; the park task retries on it, so no command starts unchecked.
     """
-    by = redis_connection().get(canvas_canceled_key(root_id))
-    return by.decode() if isinstance(by, bytes) else by
+    event = RunEvent.objects.filter(kind=CANVAS_CANCELED, data__root_id=root_id).only("data").first()
+    return event.data.get("by", "") if event is not None else None
 
 
 def canvas_links(root_id: str):
@@ -77,7 +73,8 @@ def canvas_cancel(*, root_id: str, by: str) -> int | None:
     if not canvas_links(root_id).exists():
         return None
     who = by or "unknown"
-    redis_connection().set(canvas_canceled_key(root_id), who, ex=CANVAS_CANCELED_SECONDS)
+    if canvas_canceled_by(root_id) is None:
+        event_record(CANVAS_CANCELED, message=f"canvas {root_id} canceled by {who}", root_id=root_id, by=who)
     runs = JobRun.objects.filter(canvas_link__in=canvas_links(root_id)).exclude(status__in=RUN_TERMINAL)
     return sum(run_cancel(run=run, by=who) for run in runs.order_by("created_at"))
 

@@ -8,10 +8,13 @@ import uuid
 import pytest
 from celery import chain, group
 from celery.result import AsyncResult
+from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from rest_framework.test import APIClient
 
 from devtools.simulator import DeviceBehaviour
+from jobs.cancel import CANVAS_CANCELED
 from jobs.canvas import device_command
 from jobs.models import CanvasLink, JobRun, RunEvent, RunStatus, Trigger
 from tests.conftest import wait_for
@@ -70,8 +73,11 @@ def test_a_chain_canceled_by_its_root_id_ends_its_run_and_goes_no_further(
     admin_api_again = admin_api.post(f"/api/canvases/{root}/cancel/")
     unknown = admin_api.post("/api/canvases/no-such-root/cancel/")
 
-    # then nothing more was running, and the unknown one is a 404 (CLI: an error)
+    # then nothing more was running, the canvas is marked once (by the first), and the
+    # unknown one is a 404 (CLI: an error)
     assert admin_api_again.json()["canceled"] == 0
+    marks = RunEvent.objects.filter(kind=CANVAS_CANCELED)
+    assert [(m.data["root_id"], m.data["by"]) for m in marks] == [(root, "admin")]
     assert unknown.status_code == 404
     with pytest.raises(CommandError, match="no canvas with root id"):
         call_command("canvas_cancel", "no-such-root")
@@ -102,3 +108,14 @@ def test_a_later_device_command_of_a_canceled_canvas_starts_no_run(stack, simula
     assert run.status == RunStatus.CANCELED
     assert not CanvasLink.objects.filter(task_id=flash_id).exists()
     assert sim.received(flashed.name) == []
+
+
+@pytest.mark.django_db
+def test_who_may_not_see_runs_learns_nothing_of_canvases():
+    # given a signed-in user with no permission on runs
+    api = APIClient()
+    api.force_authenticate(User.objects.create_user("visitor"))
+
+    # then a cancel is a 404, as for a run they may not see; without signing in a 401/403
+    assert api.post("/api/canvases/any-root/cancel/").status_code == 404
+    assert APIClient().post("/api/canvases/any-root/cancel/").status_code in (401, 403)
