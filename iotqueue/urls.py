@@ -10,7 +10,7 @@ from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.auth_token import TokenObtainView
 from iotqueue.views import metrics_view
 from jobs.admin.dashboard import dashboard_urls
-from jobs.api import DeviceLockReleaseView, DeviceLockView, RunViewSet, TemplateViewSet
+from jobs.api import CanvasCancelView, DeviceLockReleaseView, DeviceLockView, RunViewSet, TemplateViewSet
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 from webhooks.api import WebhookViewSet
 
@@ -34,6 +34,7 @@ urlpatterns = [
     path("i18n/", include("django.conf.urls.i18n")),
     path("api/devices/<str:name>/lock/", DeviceLockView.as_view(), name="device-lock"),
     path("api/devices/<str:name>/lock/release/", DeviceLockReleaseView.as_view(), name="device-lock-release"),
+    path("api/canvases/<str:root_id>/cancel/", CanvasCancelView.as_view(), name="canvas-cancel"),
     path("api/", include(router.urls)),
     path("api/token/", TokenObtainView.as_view(), name="api-token"),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),

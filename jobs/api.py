@@ -18,10 +18,10 @@ from drf_spectacular.utils import (
 )
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
-from rest_framework.serializers import CharField
+from rest_framework.serializers import CharField, IntegerField
 from rest_framework.views import APIView
 
 from devices.models import Device
@@ -29,7 +29,7 @@ from iotqueue.names import URL_NAME_LOOKUP_REGEX
 from iotqueue.pagination import Pagination
 
 from .api_docs import run_start_schema, template_create_schema
-from .cancel import lock_force_release, run_cancel
+from .cancel import canvas_cancel, lock_force_release, run_cancel
 from .models import JobRun, JobTemplate, RunStatus, StepRun
 from .retry import RetryError, run_retry
 from .serializers import (
@@ -251,6 +251,43 @@ class DeviceLockReleaseView(APIView):
         device = get_object_or_404(Device, name=name)
         holder = lock_force_release(device=device, by=request.user.username)
         return Response({"device": device.name, "released_from": holder})
+
+
+CANVAS_CANCEL_RESPONSE = inline_serializer(
+    "CanvasCancel",
+    {
+        "root_id": CharField(),
+        "canceled": IntegerField(help_text="How many of the canvas's runs were canceled (0: all had ended)."),
+    },
+)
+
+
+class CanvasCancelView(APIView):
+    """`POST /api/canvases/<root id>/cancel/`: cancel a whole Celery canvas (jobs/canvas.py).
+
+    Every run of it that has not ended is canceled (as `POST /api/runs/<id>/cancel/`, and with
+    its permissions), and its later device commands start no run. 404 for a root id no device
+    command of which was ever started.
+    """
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(
+        request=None,
+        responses={
+            200: CANVAS_CANCEL_RESPONSE,
+            404: OpenApiResponse(description="No device command of this canvas is known."),
+        },
+    )
+    def post(self, request, root_id: str):
+        if not request.user.has_perm(RUN_VIEW_PERMISSION):
+            raise NotFound()  # as for a run: who may not see runs learns nothing of canvases
+        if not request.user.has_perm("jobs.change_jobrun"):
+            self.permission_denied(request, message=_("You may not cancel runs."))
+        canceled = canvas_cancel(root_id=root_id, by=request.user.username)
+        if canceled is None:
+            raise NotFound(_("no canvas with root id '%(root)s'") % {"root": root_id})
+        return Response({"root_id": root_id, "canceled": canceled})
 
 
 @extend_schema_view(create=template_create_schema)

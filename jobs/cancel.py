@@ -1,7 +1,9 @@
-"""Stopping work: cancel a run, time out a run past its max_duration, force-release a
-device's lock."""
+"""Stopping work: cancel a run, cancel a whole Celery canvas by its root id, time out a run
+past its max_duration, force-release a device's lock."""
 
 from __future__ import annotations
+
+from django.db.models import Q
 
 from devices.locks import device_lock_pass_on, device_lock_state
 from devices.models import Device
@@ -11,12 +13,20 @@ from .engine.kinds import run_deadline
 from .engine.plan import holder_step_id
 from .events import event_record
 from .models import (
+    RUN_TERMINAL,
     STEP_IN_FLIGHT,
+    CanvasLink,
     JobRun,
+    RunEvent,
     RunStatus,
     StepRun,
     StepStatus,
 )
+
+# The event that marks a canvas canceled (no run; data: root_id, by). The database, not Redis,
+# holds it, so a Redis restart cannot let a canceled canvas start commands again; it goes
+# with the other events of no run (IOTQUEUE_ORPHAN_EVENT_RETENTION_DAYS).
+CANVAS_CANCELED = "canvas.canceled"
 
 
 def run_cancel(*, run: JobRun, by: str) -> bool:
@@ -31,6 +41,42 @@ def run_cancel(*, run: JobRun, by: str) -> bool:
     if canceled:
         run.status = RunStatus.CANCELED
     return canceled
+
+
+def canvas_canceled_by(root_id: str) -> str | None:
+    """Who canceled the canvas of this root id, or None while it is not canceled.
+
+    One query on the event kind's index. How it fails: raises DatabaseError without the
+    database; the park task retries on it, so no command starts unchecked.
+    """
+    event = RunEvent.objects.filter(kind=CANVAS_CANCELED, data__root_id=root_id).only("data").first()
+    return event.data.get("by", "") if event is not None else None
+
+
+def canvas_links(root_id: str):
+    """The links (`CanvasLink`) of the canvas whose root task has this id: the root itself
+    when it was a device command, and every link that inherited it as `root_id`."""
+    return CanvasLink.objects.filter(Q(request__root_id=root_id) | Q(task_id=root_id))
+
+
+def canvas_cancel(*, root_id: str, by: str) -> int | None:
+    """Cancel a whole canvas: every run of it that has not ended, and its later commands.
+
+    Returns how many runs were canceled, or None when no device command of that root id
+    was ever parked (an unknown canvas). The marker is set first, then the runs are read:
+    a command parking meanwhile either sees the marker before it starts a run, or its
+    run is committed before the read and canceled here, or it reads the marker after its
+    commit and cancels its own run (jobs/canvas.py `canvas_park`). Each run is canceled
+    through `run_cancel`, so its timeline says who canceled it, and its link fails
+    (DeviceCommandFailed): its chain stops and its errbacks run.
+    """
+    if not canvas_links(root_id).exists():
+        return None
+    who = by or "unknown"
+    if canvas_canceled_by(root_id) is None:
+        event_record(CANVAS_CANCELED, message=f"canvas {root_id} canceled by {who}", root_id=root_id, by=who)
+    runs = JobRun.objects.filter(canvas_link__in=canvas_links(root_id)).exclude(status__in=RUN_TERMINAL)
+    return sum(run_cancel(run=run, by=who) for run in runs.order_by("created_at"))
 
 
 @run_deadline("run")

@@ -24,6 +24,10 @@ How a link runs (task `jobs.device_command`):
    with that result; on failure, timeout or cancel it marks the link failed with
    `DeviceCommandFailed`, which stops the chain, fails the chord and calls the errbacks.
 
+**Cancel a whole canvas** by its root task's id (jobs/cancel.py `canvas_cancel`,
+`POST /api/canvases/<root_id>/cancel/`, `manage.py canvas_cancel`): its runs that have not
+ended are canceled, and a later link of it refuses to park (`canvas_refuse_if_canceled`).
+
 Results need a result backend for chords and `AsyncResult` (CELERY_RESULT_BACKEND, Redis by
 default); chains work without one.
 """
@@ -42,6 +46,7 @@ from django.utils.translation import gettext as _
 
 from devices.models import Device
 
+from .cancel import canvas_canceled_by, run_cancel
 from .events import event_run
 from .models import RUN_TERMINAL, CanvasLink, JobStep, JobTemplate, RunStatus, StepRun, Trigger
 from .parameters import parameters_missing, parameters_missing_message, template_parameters
@@ -139,6 +144,8 @@ def canvas_park(
     """
     if not Device.objects.filter(name=device).exists():
         raise DeviceCommandFailed(_("no device named '%(device)s'") % {"device": device})
+    root_id = request.root_id or request.id
+    canvas_refuse_if_canceled(root_id)
     continuation = {field: getattr(request, field, None) for field in CONTINUATION_FIELDS}
     continuation["delivery_info"] = {"priority": (request.delivery_info or {}).get("priority")}
     try:
@@ -148,7 +155,7 @@ def canvas_park(
                 plan=[canvas_spec(device, action, args, options)],
                 parameters={"previous": previous},
                 trigger=Trigger.CANVAS,
-                triggered_by=f"celery {request.root_id or request.id}"[:150],
+                triggered_by=f"celery {root_id}"[:150],
                 priority=options.get("priority"),
                 idempotency_key=f"canvas:{request.id}",
             )
@@ -156,9 +163,21 @@ def canvas_park(
                 CanvasLink.objects.create(run=run, task_id=request.id, request=continuation)
     except RunStartError as exc:
         raise DeviceCommandFailed(f"{exc.field}: {exc}") from None
+    by = canvas_canceled_by(root_id)
+    if by is not None:
+        run_cancel(run=run, by=by)  # the canvas was canceled while this run was being written
     # Nothing goes on when this task returns: the run's end sends it on (canvas_resume).
     request.chain = request.callbacks = request.errbacks = request.chord = None
     return str(run.pk)
+
+
+def canvas_refuse_if_canceled(root_id: str) -> None:
+    """A later command of a canceled canvas (jobs/cancel.py `canvas_cancel`) starts no run:
+    it fails like a command that cannot start, so its chain stops and its errbacks run."""
+    by = canvas_canceled_by(root_id)
+    if by is not None:
+        message = _("canvas %(root)s was canceled by %(by)s; this command is not started")
+        raise DeviceCommandFailed(message % {"root": root_id, "by": by})
 
 
 def run_ended(sender, event, **kwargs) -> None:

@@ -9,6 +9,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
+from jobs.models import TemplateVersion
 from jobs.permissions import user_may_start_runs
 
 from . import beat_admin  # noqa: F401  (re-registers beat's PeriodicTask admin)
@@ -29,12 +30,28 @@ class StartsRunsAdmin(admin.ModelAdmin):
         return super().has_change_permission(request, obj) and user_may_start_runs(request.user)
 
 
-class ScheduleForm(forms.ModelForm):
+class TemplateVersionPinForm(forms.ModelForm):
+    """Offers the versions of the edited row's template only (all versions on an add page,
+    where the template is not chosen yet); the model's clean refuses another template's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields.get("template_version")
+        if field is None:
+            return
+        versions = TemplateVersion.objects.select_related("template")
+        if self.instance.template_id:
+            versions = versions.filter(template_id=self.instance.template_id)
+        field.queryset = versions
+
+
+class ScheduleForm(TemplateVersionPinForm):
     class Meta:
         model = Schedule
         fields = [
             "name",
             "template",
+            "template_version",
             "parameters",
             "priority",
             "interval_seconds",
@@ -66,9 +83,18 @@ class ScheduleForm(forms.ModelForm):
 @admin.register(Schedule)
 class ScheduleAdmin(StartsRunsAdmin):
     form = ScheduleForm
-    list_display = ["name", "template", "when", "enabled", "overlap", "last_run_status", "last_run_at"]
+    list_display = [
+        "name",
+        "template",
+        "template_version",
+        "when",
+        "enabled",
+        "overlap",
+        "last_run_status",
+        "last_run_at",
+    ]
     list_filter = ["enabled", "overlap", "template"]
-    list_select_related = ["template"]
+    list_select_related = ["template", "template_version__template"]
     search_fields = ["name", "template__name"]
     readonly_fields = ["fire_count", "last_fired_at", "queued_fire", "periodic_task"]
     actions = ["schedules_enable", "schedules_disable"]
@@ -120,13 +146,14 @@ class ScheduleAdmin(StartsRunsAdmin):
         self._enabled_set(request, queryset, False)
 
 
-class TriggerRuleForm(forms.ModelForm):
+class TriggerRuleForm(TemplateVersionPinForm):
     class Meta:
         model = TriggerRule
         fields = [
             "name",
             "topic_filter",
             "template",
+            "template_version",
             "parameters",
             "idempotency_key",
             "priority",
@@ -154,7 +181,15 @@ class TriggerRuleForm(forms.ModelForm):
 @admin.register(TriggerRule)
 class TriggerRuleAdmin(StartsRunsAdmin):
     form = TriggerRuleForm
-    list_display = ["name", "topic_filter", "template", "enabled", "priority", "updated_at"]
+    list_display = [
+        "name",
+        "topic_filter",
+        "template",
+        "template_version",
+        "enabled",
+        "priority",
+        "updated_at",
+    ]
     list_filter = ["enabled", "template"]
-    list_select_related = ["template"]
+    list_select_related = ["template", "template_version__template"]
     search_fields = ["name", "topic_filter"]

@@ -1,18 +1,65 @@
 """Schedules (beat-driven runs) and MQTT trigger rules: what starts a run without a caller."""
 
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 from django_celery_beat.models import PeriodicTask
 
 from iotqueue.names import url_name_validator
-from jobs.models import JobRun, JobTemplate
+from jobs.models import JobRun, JobTemplate, TemplateVersion
 
 PRIORITY_VALIDATORS = [MinValueValidator(0), MaxValueValidator(9)]
 # A new rule's limits: a sensor reporting once a second stays within them, a flood (or a
 # publisher in a loop) is cut off after a minute's worth of runs. Raise them per rule.
 RULE_RUNS_PER_MINUTE_DEFAULT = 60
 RULE_ACTIVE_RUNS_DEFAULT = 10
+
+
+TEMPLATE_VERSION_HELP = _("empty: the template as it is when a run starts; else always this version")
+
+
+def template_version_field() -> models.ForeignKey:
+    """The optional pin of a schedule or rule to one version of its template.
+
+    PROTECT: a pinned version going away must not silently turn the pin into "current".
+    """
+    return models.ForeignKey(
+        TemplateVersion,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="+",
+        verbose_name=_("template version"),
+        help_text=TEMPLATE_VERSION_HELP,
+    )
+
+
+def template_version_problem(template_id: int | None, version: TemplateVersion | None) -> str | None:
+    """Why `version` cannot be the pin of something starting template `template_id`, or None."""
+    if version is None or template_id is None or version.template_id == template_id:
+        return None
+    template = JobTemplate.objects.filter(pk=template_id).values_list("name", flat=True).first()
+    return gettext("version %(number)d belongs to template '%(other)s', not '%(template)s'") % {
+        "number": version.number,
+        "other": version.template.name,
+        "template": template,
+    }
+
+
+def template_version_clean(instance: Schedule | TriggerRule) -> None:
+    """Model.clean of both: the pinned version must be one of the template's own."""
+    problem = template_version_problem(instance.template_id, instance.template_version)
+    if problem:
+        raise ValidationError({"template_version": problem})
+
+
+def pinned_version_number(starter: Schedule | TriggerRule) -> int | None:
+    """The version number run_start gets: the pin, or None (the template as it is now)."""
+    return starter.template_version.number if starter.template_version_id else None
 
 
 class Overlap(models.TextChoices):
@@ -33,6 +80,7 @@ class Schedule(models.Model):
     template = models.ForeignKey(
         JobTemplate, on_delete=models.PROTECT, related_name="schedules", verbose_name=_("template")
     )
+    template_version = template_version_field()
     parameters = models.JSONField(_("parameters"), default=dict, blank=True)
     priority = models.SmallIntegerField(
         _("priority"),
@@ -89,6 +137,9 @@ class Schedule(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def clean(self) -> None:
+        template_version_clean(self)
+
     @property
     def when(self) -> str:
         """The schedule in words: "every 30 s" or "0 2 * * * Europe/Berlin"."""
@@ -138,6 +189,7 @@ class TriggerRule(models.Model):
     template = models.ForeignKey(
         JobTemplate, on_delete=models.PROTECT, related_name="trigger_rules", verbose_name=_("template")
     )
+    template_version = template_version_field()
     parameters = models.JSONField(
         _("parameters"),
         default=dict,
@@ -180,6 +232,9 @@ class TriggerRule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        template_version_clean(self)
 
 
 class TriggeredRun(models.Model):

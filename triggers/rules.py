@@ -28,7 +28,7 @@ from jobs.services import RunStartError, run_start
 from jobs.templating import TemplateError, render
 
 from .limits import RateVerdict, rule_active_runs, rule_rate_admit
-from .models import TriggeredRun, TriggerRule
+from .models import TriggeredRun, TriggerRule, pinned_version_number
 from .validation import command_filters, command_overlap_error, published_overlap_error, topic_filter_error
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def rule_topics() -> dict[str, Handler]:
     commands, devices = command_filters(), device_reply_filters()
     rules = [
         rule
-        for rule in TriggerRule.objects.filter(enabled=True).select_related("template")
+        for rule in TriggerRule.objects.filter(enabled=True).select_related("template", "template_version")
         if _listening_allowed(rule, commands, devices)
     ]
     handler = functools.partial(trigger_message_handle, rules=rules)
@@ -134,6 +134,7 @@ def _rule_run_start(rule: TriggerRule, topic: str, parameters: dict, key: str | 
         return None
     run, created = run_start(
         template=rule.template,
+        version=pinned_version_number(rule),
         parameters=parameters,
         trigger=Trigger.MQTT,
         triggered_by=f"mqtt {rule.name} {topic}"[:150],

@@ -3,7 +3,8 @@
 Beat fires `triggers.schedule_fire` with the schedule's id. The fire is checked against
 the previous one (a second fire within half a period is a duplicate: two beats, or beat
 firing one slot twice) and against the schedule's overlap policy, then `run_start` is
-called with an idempotency key of the schedule and the fire's number.
+called with an idempotency key of the schedule and the fire's number, and with the
+schedule's pinned template version if it has one (else the template as it is now).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jobs.events import event_record, event_run
 from jobs.models import RUN_TERMINAL, JobRun, RunEvent, Trigger
 from jobs.services import RunStartError, run_start
 
-from .models import Overlap, Schedule, ScheduledRun
+from .models import Overlap, Schedule, ScheduledRun, pinned_version_number
 from .validation import crontab_fields
 
 log = logging.getLogger(__name__)
@@ -162,13 +163,19 @@ def schedule_queued_start(*, schedule_id: int) -> JobRun | None:
 
 
 def _schedule_locked(schedule_id: int) -> Schedule | None:
-    return Schedule.objects.select_for_update().select_related("template").filter(pk=schedule_id).first()
+    return (
+        Schedule.objects.select_for_update()
+        .select_related("template", "template_version")
+        .filter(pk=schedule_id)
+        .first()
+    )
 
 
 def _scheduled_run_start(schedule: Schedule, fire: int) -> JobRun | None:
     try:
         run, created = run_start(
             template=schedule.template,
+            version=pinned_version_number(schedule),
             parameters=schedule.parameters,
             trigger=Trigger.SCHEDULE,
             triggered_by=f"schedule {schedule.name}",

@@ -9,9 +9,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from iotqueue.api import BoundedJSONField
-from jobs.models import JobRun, JobTemplate
+from jobs.models import JobRun, JobTemplate, TemplateVersion
 
-from .models import Schedule, ScheduledRun, TriggerRule
+from .models import Schedule, ScheduledRun, TriggerRule, template_version_problem
 from .schedules import schedule_save
 from .validation import parameters_errors, rule_errors, schedule_errors
 
@@ -28,10 +28,55 @@ def _object_check(value: Any) -> Any:
     return value
 
 
+class VersionNumberField(serializers.IntegerField):
+    """A pinned TemplateVersion, read and written as its number within the row's template
+    (as `template_version` of POST /api/runs/); `validate` turns the number into the row."""
+
+    def to_representation(self, value: TemplateVersion) -> int:
+        return value.number
+
+
+def template_version_field() -> VersionNumberField:
+    return VersionNumberField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        help_text="Start runs of this version of the template (null: the template as it is "
+        "when the run starts).",
+    )
+
+
+def template_version_resolve(attrs: dict, instance: Schedule | TriggerRule | None) -> dict[str, str]:
+    """Put the TemplateVersion the number names into `attrs`; {field: message} when there is none.
+
+    A PATCH that changes the template but keeps an earlier pin is checked too: the pin must
+    be a version of the template the row starts.
+    """
+    template = attrs.get("template", getattr(instance, "template", None))
+    if "template_version" not in attrs:
+        version = getattr(instance, "template_version", None)
+        problem = template_version_problem(getattr(template, "pk", None), version)
+        return {"template_version": problem} if problem else {}
+    number = attrs["template_version"]
+    if number is None or template is None:
+        attrs["template_version"] = None
+        return {}
+    version = template.versions.filter(number=number).first()
+    if version is None:
+        message = _("template '%(name)s' has no version %(number)d") % {
+            "name": template.name,
+            "number": number,
+        }
+        return {"template_version": message}
+    attrs["template_version"] = version
+    return {}
+
+
 class ScheduleSerializer(serializers.ModelSerializer):
     """A schedule: `interval_seconds`, or `crontab` ("0 2 * * *") with a `timezone`."""
 
     template = serializers.SlugRelatedField(slug_field="name", queryset=JobTemplate.objects.all())
+    template_version = template_version_field()
     parameters = BoundedJSONField(required=False, default=dict)
     # null or "" clears it, e.g. when a PATCH switches a schedule to an interval.
     crontab = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=200)
@@ -43,6 +88,7 @@ class ScheduleSerializer(serializers.ModelSerializer):
             "id",
             "name",
             "template",
+            "template_version",
             "parameters",
             "priority",
             "interval_seconds",
@@ -76,6 +122,7 @@ class ScheduleSerializer(serializers.ModelSerializer):
         errors.update(
             parameters_errors(template=current("template", None), parameters=current("parameters", {}))
         )
+        errors.update(template_version_resolve(attrs, self.instance))
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})
         return attrs
@@ -98,6 +145,7 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
     """A rule: MQTT `topic_filter` -> `template`, `parameters` may use {{ topic.N }} / {{ message.x }}."""
 
     template = serializers.SlugRelatedField(slug_field="name", queryset=JobTemplate.objects.all())
+    template_version = template_version_field()
     parameters = BoundedJSONField(required=False, default=dict)
 
     class Meta:
@@ -107,6 +155,7 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
             "name",
             "topic_filter",
             "template",
+            "template_version",
             "parameters",
             "idempotency_key",
             "priority",
@@ -136,6 +185,7 @@ class TriggerRuleSerializer(serializers.ModelSerializer):
             errors.update(
                 parameters_errors(template=current("template", None), parameters=current("parameters", {}))
             )
+        errors.update(template_version_resolve(attrs, self.instance))
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})
         return attrs

@@ -41,3 +41,19 @@ def summarize(results, key: str) -> int:
 @shared_task(name="tests.canvas.on_error")
 def on_error(request, exc, traceback, key: str) -> None:
     _record(key, {"task_id": request.id, "error": f"{type(exc).__name__}: {exc}"})
+
+
+# The gate waits this long at most (retries of GATE_RETRY_SECONDS) before giving up.
+GATE_RETRIES = 600
+GATE_RETRY_SECONDS = 0.1
+
+
+def gate_open(key: str) -> None:
+    _record(key, "open")
+
+
+@shared_task(name="tests.canvas.gate", bind=True, max_retries=GATE_RETRIES)
+def gate(self, key: str) -> None:
+    """Holds its chain until the test opens the gate; retries, so no worker process waits."""
+    if not recorded(key):
+        raise self.retry(countdown=GATE_RETRY_SECONDS)
