@@ -1,0 +1,79 @@
+"""`POST /api/runs/preview/` on the real stack: a fan-out's targets, presence and queues as
+the engine would find them, validated as a start is, and nothing started or written."""
+
+import uuid
+
+import pytest
+
+from devices.locks import device_lock_states
+from devtools.simulator import DeviceBehaviour
+from jobs.models import JobRun, StepRun, TemplateVersion
+from jobs.services import run_start
+from tests.conftest import wait_for
+from tests.factories import DeviceFactory, JobStepFactory, template_with_steps
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+
+def finished(run: JobRun) -> JobRun | None:
+    run.refresh_from_db()
+    return run if run.is_terminal else None
+
+
+def test_a_fanout_preview_counts_presence_and_queues_and_writes_nothing(stack, simulator, admin_api):
+    # Given a labelled fleet: 2 offline, 1 disabled, 1 busy with a step queued behind its holder
+    label = f"preview-{uuid.uuid4().hex[:6]}"
+    fleet = [DeviceFactory(name=f"{label}-{i:02d}", labels={"kind": label}) for i in range(10)]
+    busy, offline, disabled = fleet[0], fleet[1:3], fleet[3]
+    for device in offline:
+        device.online = False
+        device.save(update_fields=["online"])
+    disabled.enabled = False
+    disabled.save(update_fields=["enabled"])
+    slow = DeviceBehaviour(latency_min_ms=4000, latency_max_ms=4000)
+    simulator({busy.name: slow})
+    holding, _ = run_start(template=template_with_steps((busy, "hold", {})))
+    behind, _ = run_start(template=template_with_steps((busy, "hold", {})))
+    wait_for(
+        lambda: len(device_lock_states([busy.name])[busy.name].queue) == 1,
+        what="a second step queued behind the busy device's holder",
+    )
+    step = JobStepFactory(
+        device=None, labels={"kind": label}, action=f"{label}/flash", rollout_per_minute=120, max_in_flight=4
+    )
+    runs, rows, versions = JobRun.objects.count(), StepRun.objects.count(), TemplateVersion.objects.count()
+
+    # When the start is previewed
+    answer = admin_api.post("/api/runs/preview/", {"template": step.template.name}, format="json")
+
+    # Then: the counts, the busy device's queue, the method of the estimate
+    assert answer.status_code == 200, answer.content
+    body = answer.json()
+    (preview,) = body["steps"]
+    devices = preview["devices"]
+    assert (devices["matched"], devices["enabled"], devices["disabled"]) == (10, 9, 1)
+    assert (devices["online"], devices["offline_waiting"], devices["busy"]) == (7, 2, 1)
+    assert devices["queued_ahead"] == 2  # the holder and the step behind it
+    items = {item["name"]: item for item in devices["items"]}
+    assert items[busy.name]["holder"] is not None and items[busy.name]["queue_depth"] == 1
+    assert items[fleet[5].name]["holder"] is None and items[fleet[5].name]["queue_depth"] == 0
+    assert preview["kind"] == "fanout" and preview["problems"] == []
+    assert preview["rollout"]["rollout_per_minute"] == 120
+    estimate = preview["estimate"]
+    assert estimate["method"] == "rollout_replay" and estimate["typical_source"] == "default"
+    assert estimate["rows_timing_out"] == 2  # the offline devices wait out their queue timeout
+    assert body["estimate"]["seconds"] == estimate["seconds"] > 0
+    # ... and nothing was written or queued
+    assert (JobRun.objects.count(), StepRun.objects.count()) == (runs, rows)
+    assert TemplateVersion.objects.count() == versions
+    states = device_lock_states([device.name for device in fleet])
+    assert len(states[busy.name].queue) == 1
+    assert all(states[d.name].holder is None and not states[d.name].queue for d in fleet[1:])
+
+    # A start's 400s: the same answer for the same mistake
+    bad = {"template": step.template.name, "priority": 12}
+    assert admin_api.post("/api/runs/preview/", bad, format="json").json() == (
+        admin_api.post("/api/runs/", bad, format="json").json()
+    )
+    assert wait_for(lambda: finished(behind), timeout=60)
+    assert finished(holding)
