@@ -77,3 +77,32 @@ def test_a_fanout_preview_counts_presence_and_queues_and_writes_nothing(stack, s
     )
     assert wait_for(lambda: finished(behind), timeout=60)
     assert finished(holding)
+
+
+def test_the_admin_previews_a_start_on_the_run_now_page_before_the_operator_confirms(client):
+    # Given a template of two single-device steps, one device busy-free and online
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_superuser("previewer", "p@example.com", "pw"))
+    lamp = DeviceFactory()
+    template = template_with_steps((lamp, "on", {"level": "{{ params.level }}"}), (lamp, "off", {}))
+    url = f"/admin/jobs/jobtemplate/{template.pk}/run/"
+
+    # When the operator presses Preview
+    page = client.post(url, {"param_level": "60", "_preview": "Preview"})
+
+    # Then the page shows the preview, the form kept, and nothing started
+    assert page.status_code == 200, page.text
+    assert 'id="run-preview"' in page.text and "Estimated finish" in page.text
+    assert page.context["preview"]["steps"][0]["devices"]["online"] == 1
+    assert page.context["preview"]["estimate"]["seconds"] > 0
+    assert 'value="60"' in page.text
+    assert not JobRun.objects.filter(template=template).exists()
+    # ... the same mistakes are refused as a start refuses them
+    bad = client.post(url, {"_preview": "Preview"})
+    assert "params.level" in bad.text and bad.context["preview"] is None
+
+    # And confirming starts the run
+    started = client.post(url, {"param_level": "60", "_run": "Start run"})
+    assert started.status_code == 302
+    assert JobRun.objects.filter(template=template).count() == 1
