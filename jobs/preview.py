@@ -104,7 +104,11 @@ def run_preview(
             "finish_at": now + timedelta(seconds=total) if total is not None else None,
             "steps_in_sequence": True,
         },
-        "problems": [f"step {step['index']}: {p}" for step in steps for p in step["problems"]],
+        "problems": [
+            _("step %(index)d: %(problem)s") % {"index": step["index"], "problem": p}
+            for step in steps
+            for p in step["problems"]
+        ],
         "previewed_at": now,
     }
 
