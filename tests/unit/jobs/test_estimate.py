@@ -78,3 +78,9 @@ def test_a_row_waits_for_whats_ahead_and_an_unreachable_one_times_out():
     assert row_timing(ahead=2, reachable=True, typical=3.0, queue_timeout=60) == RowTiming(9.0)
     assert row_timing(ahead=0, reachable=False, typical=3.0, queue_timeout=60) == RowTiming(60.0, False)
     assert row_timing(ahead=30, reachable=True, typical=3.0, queue_timeout=60) == RowTiming(60.0, False)
+
+
+def test_a_pump_waiting_for_its_window_runs_late_by_the_monitors_tick():
+    on_time = fanout_finish_seconds(RAMP, rows(3, seconds=0.5))
+    late = fanout_finish_seconds(RAMP, rows(3, seconds=0.5), deadline_lateness=0.5)
+    assert late == pytest.approx(on_time + 2 * 0.5)  # two waits for a window, each half a tick late
