@@ -31,6 +31,7 @@ from .estimate import (
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
 from .parameters import parameters_problem
 from .services import RunStartError, _parameters_check, plan_step_target, template_snapshot
+from .versions import version_snapshot
 
 # Device names a step's preview lists at most (the counts cover them all): a preview of a
 # 100,000-device fan-out stays a few kilobytes.
@@ -130,8 +131,12 @@ def _plan_read(template: JobTemplate, number: int | None) -> tuple[list[dict], i
     else:
         snapshot = template_snapshot(template)
         plan, default_priority = snapshot["steps"], snapshot["default_priority"]
-        latest = template.versions.order_by("-number").values_list("number", flat=True).first()
-        number = None if latest is None else latest  # the version the start would record or reuse
+        # The version the start would reuse, or the next one it would record.
+        latest = template.versions.order_by("-number").first()
+        if latest is None:
+            number = 1
+        else:
+            number = latest.number if version_snapshot(latest) == snapshot else latest.number + 1
     if not plan:
         raise RunStartError("template", _("template '%(name)s' has no steps") % {"name": template.name})
     return plan, number, default_priority

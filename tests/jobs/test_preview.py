@@ -140,3 +140,44 @@ def test_a_ramped_fanouts_estimate_is_within_a_quarter_of_its_measured_finish(st
 # Devices of the measured ETA check, and how far the estimate may be from the measured finish.
 ETA_DEVICES = 80
 ETA_TOLERANCE = 0.25
+
+
+def test_a_preview_reads_a_fixed_number_of_queries_however_many_devices_match(admin_api):
+    # Given two fan-outs over 3 and 40 devices
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def queries_for(devices: int) -> int:
+        label = f"count-{uuid.uuid4().hex[:6]}"
+        for i in range(devices):
+            DeviceFactory(name=f"{label}-{i:02d}", labels={"kind": label}, online=i % 2 == 0)
+        step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/check")
+        with CaptureQueriesContext(connection) as queries:
+            answer = admin_api.post("/api/runs/preview/", {"template": step.template.name}, format="json")
+        assert answer.status_code == 200
+        assert answer.json()["steps"][0]["devices"]["online"] == (devices + 1) // 2
+        return len(queries)
+
+    # Then both take as many queries
+    assert queries_for(3) == queries_for(40)
+
+
+def test_a_for_each_preview_names_the_runs_and_is_refused_as_a_start_is(admin_api, reader_api):
+    label = f"each-{uuid.uuid4().hex[:6]}"
+    for i in range(3):
+        DeviceFactory(name=f"{label}-{i}", labels={"site": label})
+    template = JobStepFactory(device=None, device_param="device", action="check").template
+    body = {"template": template.name, "for_each": {"labels": {"site": label}}}
+
+    answer = admin_api.post("/api/runs/preview/", body, format="json").json()
+
+    assert answer["runs"] == 3 and answer["for_each"]["devices"] == [f"{label}-{i}" for i in range(3)]
+    assert answer["steps"][0]["target"] == "{{ params.device }}"
+    assert answer["steps"][0]["devices"]["items"][0]["name"] == f"{label}-0"
+    assert answer["template_version"] == 1  # the version a start would record
+    assert not JobRun.objects.filter(template=template).exists()
+    nowhere = {"template": template.name, "for_each": {"labels": {"site": "nowhere"}}}
+    refused = admin_api.post("/api/runs/preview/", nowhere, format="json")
+    assert refused.status_code == 400 and refused.json() == {"for_each": ["no enabled device matches"]}
+    # Who may not start runs may not preview one
+    assert reader_api.post("/api/runs/preview/", body, format="json").status_code == 403
