@@ -80,16 +80,11 @@ def run_preview(
     Raises RunStartError as run_start / run_start_each would for the same input. Other
     keyword arguments of a start (idempotency_key, trigger) change nothing it shows.
     """
-    parameters = {} if parameters is None else parameters
-    if not isinstance(parameters, dict):
-        raise RunStartError("parameters", _("parameters must be a JSON object"))
-    _parameters_check(parameters)
-    if priority is not None and not 0 <= priority <= 9:
-        raise RunStartError("priority", _("priority must be from 0 to 9"))
+    parameters = _input_check(parameters, priority)
     plan, number, default_priority = _plan_read(template, version)
     each = _for_each_read(for_each) if for_each else None
-    if each is not None:
-        parameters = {**parameters, "device": each["first"]} if each["first"] else parameters
+    if each is not None:  # each run gets its device as parameter "device": the first shows
+        parameters = {**parameters, "device": each["first"]}
     problem = parameters_problem(plan, parameters)
     if problem:
         raise RunStartError("parameters", problem)
@@ -115,6 +110,18 @@ def run_preview(
         ],
         "previewed_at": now,
     }
+
+
+def _input_check(parameters: Any, priority: int | None) -> dict[str, Any]:
+    """The parameters, checked as run_start checks them (the same field and message)."""
+    parameters = {} if parameters is None else parameters
+    if not isinstance(parameters, dict):
+        raise RunStartError("parameters", _("parameters must be a JSON object"))
+    # run_start's own check (size, storable text), shared rather than copied.
+    _parameters_check(parameters)
+    if priority is not None and not 0 <= priority <= 9:
+        raise RunStartError("priority", _("priority must be from 0 to 9"))
+    return parameters
 
 
 def _plan_read(template: JobTemplate, number: int | None) -> tuple[list[dict], int | None, int]:
