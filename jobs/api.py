@@ -28,14 +28,16 @@ from devices.models import Device
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
 from iotqueue.pagination import Pagination
 
-from .api_docs import run_start_schema, template_create_schema
+from .api_docs import run_preview_schema, run_start_schema, template_create_schema
 from .cancel import canvas_cancel, lock_force_release, run_cancel
 from .models import JobRun, JobTemplate, RunStatus, StepRun
+from .preview import run_preview
 from .retry import RetryError, run_retry
 from .serializers import (
     DeviceLockSerializer,
     RunDetailSerializer,
     RunEventSerializer,
+    RunPreviewSerializer,
     RunSerializer,
     RunStartSerializer,
 )
@@ -109,7 +111,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     )
 
     def get_serializer_class(self):
-        if self.action == "create":
+        if self.action in ("create", "preview"):
             return RunStartSerializer
         if self.action == "retrieve":
             return RunDetailSerializer
@@ -148,6 +150,22 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             raise ValidationError({exc.field: [str(exc)]}) from None
         body = RunSerializer(run, context={"request": request}).data
         return Response(body, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @run_preview_schema
+    @action(detail=False, methods=["post"])
+    def preview(self, request):
+        """What `POST /api/runs/` with this body would do, without starting or writing anything:
+        per step the devices it targets, how many are online, their queues, the limits and
+        an estimated finish. Validated as a start is (the same 400s); needs add_jobrun."""
+        serializer = RunStartSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        options = dict(serializer.validated_data)
+        options["version"] = options.pop("template_version", None)
+        try:
+            preview = run_preview(**options)
+        except RunStartError as exc:
+            raise ValidationError({exc.field: [str(exc)]}) from None
+        return Response(RunPreviewSerializer(preview).data)
 
     @extend_schema(
         request=None,

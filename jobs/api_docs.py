@@ -8,7 +8,7 @@ from drf_spectacular.utils import (
     extend_schema,
 )
 
-from .serializers import RunSerializer, RunStartSerializer
+from .serializers import RunPreviewSerializer, RunSerializer, RunStartSerializer
 
 RUN_STARTED = PolymorphicProxySerializer(
     component_name="RunStarted",
@@ -48,6 +48,21 @@ run_start_schema = extend_schema(
                 "parameters": {"version": "2.1"},
                 "for_each": {"group": "pumps"},
             },
+            request_only=True,
+        ),
+    ],
+)
+
+run_preview_schema = extend_schema(
+    request=RunStartSerializer,
+    responses={
+        200: RunPreviewSerializer,
+        400: OpenApiResponse(description="Invalid input: the same answers as starting the run."),
+    },
+    examples=[
+        OpenApiExample(
+            "Preview a run",
+            value={"template": "firmware-rollout", "parameters": {"version": "2.1"}},
             request_only=True,
         ),
     ],

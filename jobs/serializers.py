@@ -286,3 +286,89 @@ class DeviceLockSerializer(LockStateSerializer):
         help_text="The steps waiting for the device, in the order they will get it: the lock queue, "
         "then those waiting for the device to come online.",
     )
+
+
+class PreviewDeviceSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    enabled = serializers.BooleanField()
+    online = serializers.BooleanField()
+    presence_required = serializers.BooleanField()
+    holder = serializers.CharField(allow_null=True, help_text="Who holds the device's lock now (null: free).")
+    queue_depth = serializers.IntegerField(help_text="Steps queued on the device's lock.")
+
+
+class PreviewDevicesSerializer(serializers.Serializer):
+    matched = serializers.IntegerField(help_text="Devices the step addresses, enabled or not.")
+    enabled = serializers.IntegerField()
+    disabled = serializers.IntegerField(help_text="Matched but disabled: a fan-out leaves them out.")
+    online = serializers.IntegerField()
+    reachable = serializers.IntegerField(help_text="Online, or presence not required.")
+    offline_waiting = serializers.IntegerField(help_text="Enabled, offline and presence required: they wait.")
+    busy = serializers.IntegerField(help_text="Devices whose lock is held now.")
+    queued_ahead = serializers.IntegerField(help_text="Commands before this step's, over all devices.")
+    listed = serializers.IntegerField(help_text="How many `items` list (the first by name, at most 100).")
+    items = PreviewDeviceSerializer(many=True)
+
+
+class PreviewFlowControlSerializer(serializers.Serializer):
+    min_interval_devices = serializers.IntegerField()
+    min_interval_seconds_max = serializers.FloatField(allow_null=True)
+    max_per_minute_devices = serializers.IntegerField()
+    max_per_minute_min = serializers.IntegerField(allow_null=True)
+
+
+class PreviewStepEstimateSerializer(serializers.Serializer):
+    seconds = serializers.FloatField(allow_null=True, help_text="null: no estimate (the step would fail).")
+    method = serializers.ChoiceField(
+        choices=["fails_at_start", "delay", "typical", "queue_then_typical", "rollout_replay"],
+        help_text="rollout_replay: the fan-out's pumps replayed with the engine's rate, ramp and "
+        "max-in-flight arithmetic; queue_then_typical: the commands ahead, then one typical duration.",
+    )
+    typical_seconds = serializers.FloatField(allow_null=True)
+    typical_source = serializers.ChoiceField(
+        choices=["recent_median", "default"],
+        allow_null=True,
+        help_text="recent_median: of the action's latest 50 succeeded rows; default: 2 s.",
+    )
+    queue_timeout_seconds = serializers.IntegerField(required=False)
+    rows_timing_out = serializers.IntegerField(
+        required=False, help_text="Rows expected to time out in the queue (offline, or too much ahead)."
+    )
+
+
+class PreviewStepSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    name = serializers.CharField()
+    kind = serializers.CharField()
+    action = serializers.CharField()
+    target = serializers.CharField()
+    devices = PreviewDevicesSerializer()
+    flow_control = PreviewFlowControlSerializer()
+    rollout = serializers.DictField(allow_null=True, help_text="A fan-out's rate, ramp and abort settings.")
+    problems = serializers.ListField(child=serializers.CharField(), help_text="What would fail the step.")
+    estimate = PreviewStepEstimateSerializer()
+
+
+class PreviewEstimateSerializer(serializers.Serializer):
+    seconds = serializers.FloatField(allow_null=True, help_text="The steps' estimates added up.")
+    finish_at = serializers.DateTimeField(allow_null=True)
+    steps_in_sequence = serializers.BooleanField()
+
+
+class PreviewForEachSerializer(serializers.Serializer):
+    matched = serializers.IntegerField()
+    devices = serializers.ListField(child=serializers.CharField(), help_text="The first 100 by name.")
+
+
+class RunPreviewSerializer(serializers.Serializer):
+    """What starting the run would do (jobs/preview.py); nothing is started or written."""
+
+    template = serializers.CharField()
+    template_version = serializers.IntegerField(allow_null=True)
+    priority = serializers.IntegerField()
+    runs = serializers.IntegerField(help_text="Runs the start would create (for_each: one per device).")
+    for_each = PreviewForEachSerializer(allow_null=True)
+    steps = PreviewStepSerializer(many=True)
+    estimate = PreviewEstimateSerializer()
+    problems = serializers.ListField(child=serializers.CharField())
+    previewed_at = serializers.DateTimeField()

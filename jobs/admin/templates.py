@@ -25,10 +25,14 @@ from iotqueue.forms import JSON_FORMFIELD_OVERRIDES, json_text_parse
 
 from ..models import JobRun, JobStep, JobTemplate, Trigger
 from ..parameters import template_device_parameters, template_parameters
+from ..preview import run_preview
 from ..services import RunStartError, run_start, run_start_each, template_plan, template_version_record
 from ..validation import step_errors, template_errors
 from .display import run_url
 from .versions import TemplateVersionsAdminMixin, version_number_param, version_steps
+
+# The *Run now* form's submit button that previews instead of starting (its name in the POST).
+PREVIEW_BUTTON = "_preview"
 
 
 class JobStepForm(forms.ModelForm):
@@ -353,13 +357,16 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
         form = RunNowForm(
             request.POST or None, needed=template_parameters(plan), devices=template_device_parameters(plan)
         )
+        preview = None
         if request.method == "POST" and form.is_valid():
             try:
-                runs = self._runs_start(request, template, form.cleaned_data, version=version)
+                if PREVIEW_BUTTON in request.POST:
+                    preview = self._run_preview(template, form.cleaned_data, version=version)
+                else:
+                    runs = self._runs_start(request, template, form.cleaned_data, version=version)
+                    return self._runs_started(request, template, runs)
             except RunStartError as exc:
                 form.add_error(form.error_field(exc.field), str(exc))
-            else:
-                return self._runs_started(request, template, runs)
         fieldsets = [
             (None, {"fields": ["parameters", "priority"]}),
             (_("For each device (optional)"), {"fields": ["group", "labels"]}),
@@ -386,8 +393,23 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
             if version
             else template.steps.select_related("device", "group").order_by("position"),
             "media": self.media + form.media,
+            "preview": preview,
+            "preview_button": PREVIEW_BUTTON,
         }
         return TemplateResponse(request, "admin/jobs/jobtemplate/run_now.html", context)
+
+    def _run_preview(self, template: JobTemplate, data: dict, version=None) -> dict:
+        """*Preview*: what *Start run* would do with this form (jobs/preview.py), nothing started."""
+        for_each = None
+        if data["group"] or data["labels"]:
+            for_each = {"group": data["group"].name if data["group"] else "", "labels": data["labels"]}
+        return run_preview(
+            template=template,
+            version=version.number if version else None,
+            parameters=data["parameters"],
+            priority=data["priority"],
+            for_each=for_each,
+        )
 
     def _runs_start(self, request, template: JobTemplate, data: dict, version=None) -> list[JobRun]:
         options = {

@@ -202,16 +202,13 @@ def _ramped(spec: Mapping[str, Any]) -> bool:
     return (spec.get("rollout_increment_factor") or 1) > 1 and (spec.get("rollout_increment_every") or 0) > 0
 
 
-def _rollout_pace(spec: Mapping[str, Any], rows) -> tuple[int, timedelta]:
-    """(devices, window) the rollout admits now: the fixed rate per minute, or a ramp's
-    current rate (one count query, only for ramped steps) paced by ramp_pace."""
+def rollout_pace(spec: Mapping[str, Any], counted: int) -> tuple[int, timedelta]:
+    """(devices, window) a step's rollout admits once `counted` devices count towards its
+    ramp: the fixed rate per minute, or a ramp's current rate paced by ramp_pace. Pure: the
+    pump and the preview's estimate (jobs/estimate.py) both ask it."""
     base = spec.get("rollout_per_minute") or 0
     if not base or not _ramped(spec):
         return base, RATE_WINDOW
-    if spec.get("rollout_increment_on") == RolloutIncrementOn.NOTIFIED:
-        counted = rows.exclude(status=StepStatus.PENDING).exclude(status=StepStatus.SKIPPED).count()
-    else:
-        counted = rows.filter(status=StepStatus.SUCCEEDED).count()
     rate = rollout_rate(
         base=base,
         factor=spec["rollout_increment_factor"],
@@ -220,6 +217,22 @@ def _rollout_pace(spec: Mapping[str, Any], rows) -> tuple[int, timedelta]:
         maximum=spec.get("rollout_max_per_minute") or 0,
     )
     return ramp_pace(rate)
+
+
+def rollout_counts_notified(spec: Mapping[str, Any]) -> bool:
+    """Whether the ramp counts devices sent the command (else: devices that succeeded)."""
+    return spec.get("rollout_increment_on") == RolloutIncrementOn.NOTIFIED
+
+
+def _rollout_pace(spec: Mapping[str, Any], rows) -> tuple[int, timedelta]:
+    """rollout_pace with what the ramp counts (one count query, only for ramped steps)."""
+    if not spec.get("rollout_per_minute") or not _ramped(spec):
+        return rollout_pace(spec, 0)
+    if rollout_counts_notified(spec):
+        counted = rows.exclude(status=StepStatus.PENDING).exclude(status=StepStatus.SKIPPED).count()
+    else:
+        counted = rows.filter(status=StepStatus.SUCCEEDED).count()
+    return rollout_pace(spec, counted)
 
 
 def _status_counts(rows) -> Counter:

@@ -1,0 +1,114 @@
+"""How long a step would take, computed from its plan entry and the devices' queues; no I/O.
+
+A fan-out's finish is replayed pump by pump with the pump's own arithmetic
+(jobs/engine/fanout.py `rollout_pace`, `rollout_room`): a pump runs when a row ends and
+when the oldest start of the rate's window leaves it, exactly the two occasions the engine
+pumps on. Rows start in device-name order (the order the fan-out writes them in).
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .engine.fanout import RATE_WINDOW, rollout_counts_notified, rollout_pace, rollout_room
+
+# A step's duration when no recent succeeded row of its action says better: a command
+# round trip to a device that answers at once takes well under this, and an estimate should
+# rather be a little late than promise a finish the fleet cannot keep.
+DEFAULT_STEP_SECONDS = 2.0
+# Recent succeeded rows of an action the typical duration is the median of: enough to
+# smooth one slow device out, few enough to follow a firmware that got faster.
+TYPICAL_SAMPLE_ROWS = 50
+# Pumps replayed at most: every pump starts a row or ends one, so a fleet of
+# IOTQUEUE_FANOUT_MAX_DEVICES takes at most twice that many (and a bit).
+ESTIMATE_MAX_PUMPS = 250_000
+# Seconds two replayed instants may differ by and still be one: `start + window - window`
+# need not equal `start` in floating point, and a start must leave its window when due.
+INSTANT = 1e-6
+
+
+@dataclass(frozen=True)
+class RowTiming:
+    """One device's row once the pump starts it: seconds until it ends, and whether it ends
+    succeeded (a device that stays offline times out in the queue instead)."""
+
+    seconds: float
+    succeeds: bool = True
+
+
+def typical_seconds(durations: Sequence[float], *, timeout_seconds: float) -> tuple[float, str]:
+    """(seconds, source): the median of recent durations, or DEFAULT_STEP_SECONDS when there
+    are none ("default"); never more than the step's timeout (it would time out first)."""
+    if durations:
+        seconds, source = statistics.median(durations), "recent_median"
+    else:
+        seconds, source = DEFAULT_STEP_SECONDS, "default"
+    return min(seconds, float(timeout_seconds)), source
+
+
+def row_timing(*, ahead: int, reachable: bool, typical: float, queue_timeout: float) -> RowTiming:
+    """A device's row: `ahead` commands queued before it, each taking about `typical`; a row
+    that waits longer than the queue timeout (or for a device that stays offline) times out."""
+    if not reachable:
+        return RowTiming(float(queue_timeout), succeeds=False)
+    wait = ahead * typical
+    if wait >= queue_timeout:
+        return RowTiming(float(queue_timeout), succeeds=False)
+    return RowTiming(wait + typical)
+
+
+def fanout_finish_seconds(
+    spec: Mapping[str, Any], rows: Sequence[RowTiming], *, deadline_lateness: float = 0.0
+) -> float | None:
+    """Seconds from the fan-out's start until its last row ends, replaying its pumps; None
+    when ESTIMATE_MAX_PUMPS pumps do not start every row (no estimate rather than a wrong one).
+
+    `deadline_lateness`: how much later than due a pump that waits for the rate's window
+    runs (the monitor claims due deadlines once a tick: half a tick on average). A pump at
+    a row's end runs at once."""
+    max_in_flight = spec.get("max_in_flight") or 0
+    notified = rollout_counts_notified(spec)
+    at_work: list[tuple[float, bool]] = []  # (end, succeeds), soonest first
+    recent: deque[tuple[float, int]] = deque()  # (start, rows started), within RATE_WINDOW
+    now, started, succeeded, last_end = 0.0, 0, 0, 0.0
+    for _ in range(ESTIMATE_MAX_PUMPS):
+        while at_work and at_work[0][0] <= now + INSTANT:
+            succeeded += heapq.heappop(at_work)[1]
+        allowed, window = rollout_pace(spec, started if notified else succeeded)
+        while recent and recent[0][0] <= now - RATE_WINDOW.total_seconds() + INSTANT:
+            recent.popleft()
+        cutoff = now - window.total_seconds() + INSTANT
+        in_window = [(start, count) for start, count in recent if start > cutoff]
+        room = rollout_room(
+            rows=len(rows) - started,
+            max_in_flight=max_in_flight,
+            in_flight=len(at_work),
+            rollout_per_minute=allowed,
+            started_in_window=sum(count for _, count in in_window) if allowed else 0,
+        )
+        for row in rows[started : started + room]:
+            heapq.heappush(at_work, (now + row.seconds, row.succeeds))
+            last_end = max(last_end, now + row.seconds)
+        if room:
+            recent.append((now, room))
+            in_window.append((now, room))
+            started += room
+        if started >= len(rows):
+            return last_end
+        oldest = in_window[0][0] if allowed and in_window else None
+        now = _next_pump(now, at_work, oldest, window.total_seconds() + deadline_lateness)
+    return None
+
+
+def _next_pump(now: float, at_work: list[tuple[float, bool]], oldest: float | None, window: float) -> float:
+    """When the engine pumps next: a row's end, or (`window` after it) the window's oldest
+    start having left it."""
+    due = [at_work[0][0]] if at_work else []
+    if oldest is not None:
+        due.append(oldest + window)
+    return max(now, min(due)) if due else now

@@ -1,0 +1,367 @@
+"""What starting a run would do, without starting it: targets, presence, queues, limits, ETA.
+
+`run_preview` validates the start's input as `run_start` does (the same RunStartError,
+field and message) and then only reads: one device query per step, one Redis round trip
+for every device's lock state, one query per step for its action's recent durations. It
+writes nothing, not even the template's next version (it reads the template as it is now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from devices.locks import device_lock_states
+from devices.models import Device
+from devices.selectors import labels_requirements, selector_filter, selector_parse
+
+from .choices import StepKind
+from .engine.plan import FANOUT, spec_kind, step_target_name
+from .estimate import (
+    TYPICAL_SAMPLE_ROWS,
+    fanout_finish_seconds,
+    row_timing,
+    typical_seconds,
+)
+from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
+from .parameters import parameters_problem
+from .services import RunStartError, _parameters_check, plan_step_target, template_snapshot
+from .versions import version_snapshot
+
+# Device names a step's preview lists at most (the counts cover them all): a preview of a
+# 100,000-device fan-out stays a few kilobytes.
+PREVIEW_MAX_DEVICES = 100
+# How many monitor ticks late a deadline's pump runs on average: it is claimed at the
+# first tick after it is due, half a tick later on average.
+DEADLINE_LATENESS_TICKS = 0.5
+# The columns a preview reads of each targeted device (one query per step).
+DEVICE_COLUMNS = ("name", "enabled", "online", "presence_required", "min_interval_seconds", "max_per_minute")
+
+
+@dataclass
+class TargetDevice:
+    """A device a step would address, as the preview reads it."""
+
+    name: str
+    enabled: bool
+    online: bool
+    presence_required: bool
+    min_interval_seconds: float
+    max_per_minute: int
+    holder: str | None = None
+    queue: list[str] = field(default_factory=list)
+
+    @property
+    def reachable(self) -> bool:
+        return self.online or not self.presence_required
+
+    @property
+    def ahead(self) -> int:
+        """Commands before a new one on this device: the holder's and those queued."""
+        return len(self.queue) + (1 if self.holder else 0)
+
+
+def run_preview(
+    *,
+    template: JobTemplate,
+    parameters: dict[str, Any] | None = None,
+    priority: int | None = None,
+    version: int | None = None,
+    for_each: dict[str, Any] | None = None,
+    **ignored: Any,
+) -> dict[str, Any]:
+    """The preview of a run start (`POST /api/runs/preview/`, the admin's *Preview*).
+
+    Raises RunStartError as run_start / run_start_each would for the same input. Other
+    keyword arguments of a start (idempotency_key, trigger) change nothing it shows.
+    """
+    parameters = _input_check(parameters, priority)
+    plan, number, default_priority = _plan_read(template, version)
+    each = _for_each_read(for_each) if for_each else None
+    if each is not None:  # each run gets its device as parameter "device": the first shows
+        parameters = {**parameters, "device": each["first"]}
+    problem = parameters_problem(plan, parameters)
+    if problem:
+        raise RunStartError("parameters", problem)
+    steps = _steps_preview(plan, parameters)
+    total = _total_seconds(steps)
+    now = timezone.now()
+    return {
+        "template": template.name,
+        "template_version": number,
+        "priority": default_priority if priority is None else priority,
+        "runs": each["matched"] if each else 1,
+        "for_each": {key: value for key, value in each.items() if key != "first"} if each else None,
+        "steps": steps,
+        "estimate": {
+            "seconds": total,
+            "finish_at": now + timedelta(seconds=total) if total is not None else None,
+            "steps_in_sequence": True,
+        },
+        "problems": [
+            _("step %(index)d: %(problem)s") % {"index": step["index"], "problem": p}
+            for step in steps
+            for p in step["problems"]
+        ],
+        "previewed_at": now,
+    }
+
+
+def _input_check(parameters: Any, priority: int | None) -> dict[str, Any]:
+    """The parameters, checked as run_start checks them (the same field and message)."""
+    parameters = {} if parameters is None else parameters
+    if not isinstance(parameters, dict):
+        raise RunStartError("parameters", _("parameters must be a JSON object"))
+    # run_start's own check (size, storable text), shared rather than copied.
+    _parameters_check(parameters)
+    if priority is not None and not 0 <= priority <= 9:
+        raise RunStartError("priority", _("priority must be from 0 to 9"))
+    return parameters
+
+
+def _plan_read(template: JobTemplate, number: int | None) -> tuple[list[dict], int | None, int]:
+    """(plan, version number, default priority) a run would execute; never records a version."""
+    if number is not None:
+        version = template.versions.filter(number=number).first()
+        if version is None:
+            message = _("template '%(name)s' has no version %(number)d") % {
+                "name": template.name,
+                "number": number,
+            }
+            raise RunStartError("template_version", message)
+        plan, default_priority = version.steps, version.default_priority
+    else:
+        snapshot = template_snapshot(template)
+        plan, default_priority = snapshot["steps"], snapshot["default_priority"]
+        # The version the start would reuse, or the next one it would record.
+        latest = template.versions.order_by("-number").first()
+        if latest is None:
+            number = 1
+        else:
+            number = latest.number if version_snapshot(latest) == snapshot else latest.number + 1
+    if not plan:
+        raise RunStartError("template", _("template '%(name)s' has no steps") % {"name": template.name})
+    return plan, number, default_priority
+
+
+def _for_each_read(for_each: dict[str, Any]) -> dict[str, Any]:
+    """The devices a for-each start would run on, checked as run_start_each checks them."""
+    try:
+        requirements = selector_parse(for_each.get("selector", ""))
+    except ValueError as exc:
+        raise RunStartError("for_each", _("not a label selector: %(problem)s") % {"problem": exc}) from None
+    if not for_each.get("group") and not for_each.get("labels") and not requirements:
+        raise RunStartError("for_each", _("name a group or at least one label; an empty selector is refused"))
+    devices = _devices_matching(for_each)
+    enabled = [device.name for device in devices if device.enabled]
+    if not enabled:
+        raise RunStartError("for_each", _("no enabled device matches"))
+    limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
+    if len(enabled) > limit:
+        raise RunStartError(
+            "for_each",
+            _(
+                "%(count)d devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES (%(limit)d); "
+                "a fan-out step rolls out to a fleet at a set pace"
+            )
+            % {"count": len(enabled), "limit": limit},
+        )
+    return {"matched": len(enabled), "devices": enabled[:PREVIEW_MAX_DEVICES], "first": enabled[0]}
+
+
+def _devices_matching(spec: dict[str, Any]) -> list[TargetDevice]:
+    """Every device (enabled or not) of the spec's group, labels and selector, in one query,
+    in name order (the order a fan-out writes, and so starts, its rows in)."""
+    devices = Device.objects.order_by("name")
+    if spec.get("group"):
+        devices = devices.filter(groups__name=spec["group"])
+    requirements = labels_requirements(spec.get("labels") or {}) + selector_parse(spec.get("selector") or "")
+    return [TargetDevice(*row) for row in selector_filter(devices, requirements).values_list(*DEVICE_COLUMNS)]
+
+
+def _steps_preview(plan: list[dict], parameters: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each step's targets and estimate, the lock states of all of them read at once."""
+    targets = [_step_targets(spec, parameters) for spec in plan]
+    names = sorted({device.name for devices, _problems in targets for device in devices if device.enabled})
+    states = device_lock_states(names) if names else {}
+    for devices, _problems in targets:
+        for device in devices:
+            state = states.get(device.name)
+            if state is not None:
+                device.holder, device.queue = state.holder, state.queue
+    return [
+        _step_preview(index, spec, devices, problems)
+        for index, (spec, (devices, problems)) in enumerate(zip(plan, targets, strict=True))
+    ]
+
+
+def _step_targets(spec: dict[str, Any], parameters: dict[str, Any]) -> tuple[list[TargetDevice], list[str]]:
+    """(devices the step addresses, problems that would fail it) as the engine would find them."""
+    kind = spec_kind(spec)
+    if kind == FANOUT:
+        try:
+            devices = _devices_matching(spec)
+        except ValueError as exc:
+            return [], [_("the selector does not parse: %(problem)s") % {"problem": exc}]
+        enabled = sum(device.enabled for device in devices)
+        limit = settings.IOTQUEUE_FANOUT_MAX_DEVICES
+        if not enabled:
+            return devices, [_("no enabled device matches %(target)s") % {"target": plan_step_target(spec)}]
+        if enabled > limit:
+            problem = _("%(count)d devices match, more than IOTQUEUE_FANOUT_MAX_DEVICES (%(limit)d)")
+            return devices, [problem % {"count": enabled, "limit": limit}]
+        return devices, []
+    if kind in (StepKind.DELAY, StepKind.TASK):
+        return [], []
+    name, problem = step_target_name(JobRun(parameters=parameters), spec)
+    if name is None:
+        return [], [problem]
+    devices = _devices_named(name)
+    if not devices:
+        return [], [_("device %(name)s does not exist") % {"name": name}]
+    if not devices[0].enabled:
+        return devices, [_("device %(name)s is disabled") % {"name": name}]
+    return devices, []
+
+
+def _devices_named(name: str) -> list[TargetDevice]:
+    return [TargetDevice(*row) for row in Device.objects.filter(name=name).values_list(*DEVICE_COLUMNS)]
+
+
+def _step_preview(
+    index: int, spec: dict[str, Any], devices: list[TargetDevice], problems: list[str]
+) -> dict[str, Any]:
+    kind = spec_kind(spec)
+    enabled = [device for device in devices if device.enabled]
+    return {
+        "index": index,
+        "name": spec.get("name") or "",
+        "kind": kind,
+        "action": spec.get("action") or "",
+        "target": plan_step_target(spec),
+        "devices": _devices_summary(devices, enabled),
+        "flow_control": _flow_control(enabled),
+        "rollout": _rollout(spec) if kind == FANOUT else None,
+        "problems": problems,
+        "estimate": _step_estimate(spec, kind, enabled, failing=bool(problems)),
+    }
+
+
+def _devices_summary(devices: list[TargetDevice], enabled: list[TargetDevice]) -> dict[str, Any]:
+    """Counts over every device, and the first PREVIEW_MAX_DEVICES of them by name."""
+    return {
+        "matched": len(devices),
+        "enabled": len(enabled),
+        "disabled": len(devices) - len(enabled),
+        "online": sum(device.online for device in enabled),
+        "reachable": sum(device.reachable for device in enabled),
+        "offline_waiting": sum(not device.reachable for device in enabled),
+        "busy": sum(device.holder is not None for device in enabled),
+        "queued_ahead": sum(device.ahead for device in enabled),
+        "listed": min(len(devices), PREVIEW_MAX_DEVICES),
+        "items": [
+            {
+                "name": device.name,
+                "enabled": device.enabled,
+                "online": device.online,
+                "presence_required": device.presence_required,
+                "holder": device.holder,
+                "queue_depth": len(device.queue),
+            }
+            for device in devices[:PREVIEW_MAX_DEVICES]
+        ],
+    }
+
+
+def _flow_control(enabled: list[TargetDevice]) -> dict[str, Any]:
+    """The per-device flow-control limits among the targets: how many have each, the strictest."""
+    spaced = [device.min_interval_seconds for device in enabled if device.min_interval_seconds]
+    capped = [device.max_per_minute for device in enabled if device.max_per_minute]
+    return {
+        "min_interval_devices": len(spaced),
+        "min_interval_seconds_max": max(spaced, default=None),
+        "max_per_minute_devices": len(capped),
+        "max_per_minute_min": min(capped, default=None),
+    }
+
+
+ROLLOUT_FIELDS = (
+    "rollout_per_minute",
+    "max_in_flight",
+    "rollout_increment_factor",
+    "rollout_increment_every",
+    "rollout_increment_on",
+    "rollout_max_per_minute",
+    "success_percent",
+    "abort_failure_percent",
+    "abort_criteria",
+)
+
+
+def _rollout(spec: dict[str, Any]) -> dict[str, Any]:
+    return {name: spec.get(name) for name in ROLLOUT_FIELDS}
+
+
+def _step_estimate(
+    spec: dict[str, Any], kind: str, enabled: list[TargetDevice], *, failing: bool
+) -> dict[str, Any]:
+    """How long the step would take, and from what (fields, so a client can show its method)."""
+    if failing:
+        return {"seconds": None, "method": "fails_at_start", "typical_seconds": None, "typical_source": None}
+    if kind == StepKind.DELAY:
+        seconds = float(spec.get("delay_seconds") or 0)
+        return {"seconds": seconds, "method": "delay", "typical_seconds": None, "typical_source": None}
+    typical, source = typical_seconds(
+        _recent_durations(spec["action"]), timeout_seconds=spec["timeout_seconds"]
+    )
+    base = {
+        "typical_seconds": typical,
+        "typical_source": source,
+        "queue_timeout_seconds": spec["queue_timeout_seconds"],
+    }
+    if kind == StepKind.TASK:
+        return {"seconds": typical, "method": "typical", **base}
+    rows = [
+        row_timing(
+            ahead=device.ahead,
+            reachable=device.online if kind == StepKind.WAIT_ONLINE else device.reachable,
+            typical=0.0 if kind == StepKind.WAIT_ONLINE else typical,
+            queue_timeout=spec["queue_timeout_seconds"],
+        )
+        for device in enabled
+    ]
+    timed_out = sum(not row.succeeds for row in rows)
+    if kind == FANOUT:
+        seconds = fanout_finish_seconds(
+            spec, rows, deadline_lateness=DEADLINE_LATENESS_TICKS * monitor_interval()
+        )
+        return {"seconds": seconds, "method": "rollout_replay", "rows_timing_out": timed_out, **base}
+    seconds = rows[0].seconds if rows else None
+    return {"seconds": seconds, "method": "queue_then_typical", "rows_timing_out": timed_out, **base}
+
+
+def monitor_interval() -> float:
+    return float(settings.IOTQUEUE_MONITOR_INTERVAL)
+
+
+def _recent_durations(action: str) -> list[float]:
+    """Seconds from dispatch to end of the action's latest succeeded rows (one query)."""
+    rows = (
+        StepRun.objects.filter(action=action, phase=Phase.FORWARD, status=StepStatus.SUCCEEDED)
+        .exclude(dispatched_at=None)
+        .exclude(finished_at=None)
+        .order_by("-finished_at")
+        .values_list("dispatched_at", "finished_at")[:TYPICAL_SAMPLE_ROWS]
+    )
+    return [(finished - dispatched).total_seconds() for dispatched, finished in rows]
+
+
+def _total_seconds(steps: list[dict[str, Any]]) -> float | None:
+    """The steps run one after the other; None when one of them has no estimate."""
+    seconds = [step["estimate"]["seconds"] for step in steps]
+    return None if any(value is None for value in seconds) else float(sum(seconds))
