@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -142,7 +143,10 @@ def test_flower_lists_a_runs_tasks_with_the_run_id(console, flower, stack, simul
 
     # then the list shows the run's tasks with its id: the drain its start woke (in its
     # args) and its task step (in its kwargs)
-    listed = WebDriverWait(console.driver, PAGE_WAIT_SECONDS).until(
+    # (Flower redraws its table as tasks arrive: a row read mid-redraw is read again.)
+    listed = WebDriverWait(
+        console.driver, PAGE_WAIT_SECONDS, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(
         lambda _: len(found := tasks_listed(console, needle)) >= 2 and found, f"two tasks naming {needle}"
     )
     assert listed.keys() == {inbox.DRAIN_TASK, "jobs.task_step_run"}, listed
