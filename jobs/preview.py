@@ -30,7 +30,7 @@ from .estimate import (
 )
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
 from .parameters import parameters_problem
-from .services import RunStartError, _parameters_check, plan_step_target, template_snapshot
+from .services import RunStartError, parameters_check, plan_step_target, template_snapshot
 from .versions import version_snapshot
 
 # Device names a step's preview lists at most (the counts cover them all): a preview of a
@@ -118,7 +118,7 @@ def _input_check(parameters: Any, priority: int | None) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise RunStartError("parameters", _("parameters must be a JSON object"))
     # run_start's own check (size, storable text), shared rather than copied.
-    _parameters_check(parameters)
+    parameters_check(parameters)
     if priority is not None and not 0 <= priority <= 9:
         raise RunStartError("priority", _("priority must be from 0 to 9"))
     return parameters

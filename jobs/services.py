@@ -159,7 +159,7 @@ def run_start(
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise RunStartError("parameters", _("parameters must be a JSON object"))
-    _parameters_check(parameters)
+    parameters_check(parameters)
     if priority is not None and not 0 <= priority <= 9:
         raise RunStartError("priority", _("priority must be from 0 to 9"))
     if idempotency_key:
@@ -220,7 +220,7 @@ def _run_version(template: JobTemplate, number: int | None) -> TemplateVersion:
     return version
 
 
-def _parameters_check(parameters: dict[str, Any]) -> None:
+def parameters_check(parameters: dict[str, Any]) -> None:
     """Parameters every entrance (REST, admin, CLI, trigger rules, canvas) may store: text
     that can be stored (iotqueue/text.py), within IOTQUEUE_RUN_PARAMETERS_MAX_BYTES."""
     problem = text_problem(parameters)
