@@ -164,7 +164,9 @@ def schedule_queued_start(*, schedule_id: int) -> JobRun | None:
 
 def _schedule_locked(schedule_id: int) -> Schedule | None:
     return (
-        Schedule.objects.select_for_update()
+        # Only the schedule's row is locked: PostgreSQL cannot lock the nullable side of the
+        # outer join a pinned version (template_version, NULL when unpinned) reads through.
+        Schedule.objects.select_for_update(of=("self",))
         .select_related("template", "template_version")
         .filter(pk=schedule_id)
         .first()
