@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -341,7 +342,10 @@ def _children_start(supervisor: Supervisor, state_dir: Path) -> int:
             str(state_dir / "sim.json"),
         ),
     )
-    # The demo's devices, on the device agent library (devtools/demo_devices.py).
+    # The demo's devices, on the device agent library (devtools/demo_devices.py). Their state
+    # files start empty: a new stack's Redis hands out fencing tokens from 1 again, and an
+    # earlier stack's saved tokens would make every new command look stale to them.
+    shutil.rmtree(state_dir / "devices", ignore_errors=True)
     supervisor.start("devices", manage_argv("demo_devices", "--state-dir", str(state_dir / "devices")))
     ready = {
         "worker": r"@\S+ ready\.",
