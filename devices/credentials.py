@@ -214,13 +214,29 @@ def identity_write(device: Device) -> None:
         )
     if not managed_by_iotqueue(identity.client):  # adopting a legacy client
         commands.append({"command": "modifyClient", "username": device.name, "textdescription": MANAGED_MARK})
-    held = [entry.get("rolename") for entry in (identity.client or {}).get("roles") or []]
-    if role not in held:
+    if role not in _roles_held(identity):
         commands.append({"command": "addClientRole", "username": device.name, "rolename": role})
     commands.append(
         {"command": "enableClient" if device.enabled else "disableClient", "username": device.name}
     )
-    control.execute_checked(commands)
+    for response in control.execute(commands):
+        error = response.get("error")
+        if error and not _role_added_meanwhile(response, role, device.name):
+            raise DynsecError(f"{response.get('command')}: {error}")
+
+
+def _roles_held(identity: Identity) -> list[str]:
+    return [entry.get("rolename") for entry in (identity.client or {}).get("roles") or []]
+
+
+def _role_added_meanwhile(response: dict[str, Any], role: str, username: str) -> bool:
+    """Whether a failed addClientRole failed only because another writer gave the role first.
+
+    Mosquitto 2.0's dynsec answers "Internal error" (not "already") when the client holds
+    the role already, which is what a second process saving the same device meets between
+    our read and our command: read again, and the write stands when the role is now held.
+    """
+    return response.get("command") == "addClientRole" and role in _roles_held(identity_read(username))
 
 
 def _identity_owned(identity: Identity) -> Identity:

@@ -19,6 +19,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from rest_framework.test import APIClient
 
+from devices import credentials
 from devices import serializers as device_serializers
 from devices.credentials import (
     device_acls,
@@ -153,6 +154,32 @@ def test_a_foreign_user_created_between_the_check_and_the_write_rolls_the_device
         assert not connect_result(posted, name_holder["password"]).is_failure
     finally:
         control.execute([{"command": "deleteClient", "username": posted}])
+
+
+@pytest.mark.django_db
+def test_a_role_given_by_another_writer_between_the_read_and_the_write_is_no_error(monkeypatch):
+    # given a device whose identity is written, its role then taken away
+    device = DeviceFactory()
+    control.execute_checked(
+        [{"command": "removeClientRole", "username": device.name, "rolename": role_name(device.name)}]
+    )
+    # and another process saving the same device gives the role back right after our read
+    # (Mosquitto 2.0 then answers our addClientRole with "Internal error")
+    read = credentials.identity_read
+
+    def read_then_another_writer(name: str):
+        identity = read(name)
+        control.execute_checked([{"command": "addClientRole", "username": name, "rolename": role_name(name)}])
+        monkeypatch.setattr(credentials, "identity_read", read)
+        return identity
+
+    monkeypatch.setattr(credentials, "identity_read", read_then_another_writer)
+
+    # when the device's identity is written (as saving it does)
+    credentials.identity_write(device)
+
+    # then the write stands, and the device holds its role once
+    assert client_roles(device.name) == [role_name(device.name)]
 
 
 @pytest.mark.django_db
