@@ -30,7 +30,14 @@ from .estimate import (
 )
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
 from .parameters import parameters_problem
-from .services import RunStartError, parameters_check, plan_step_target, template_snapshot
+from .services import (
+    RunStartError,
+    for_each_count_check,
+    for_each_target_check,
+    parameters_check,
+    plan_step_target,
+    template_snapshot,
+)
 from .versions import version_snapshot
 
 # Device names a step's preview lists at most (the counts cover them all): a preview of a
@@ -151,26 +158,13 @@ def _plan_read(template: JobTemplate, number: int | None) -> tuple[list[dict], i
 
 def _for_each_read(for_each: dict[str, Any]) -> dict[str, Any]:
     """The devices a for-each start would run on, checked as run_start_each checks them."""
-    try:
-        requirements = selector_parse(for_each.get("selector", ""))
-    except ValueError as exc:
-        raise RunStartError("for_each", _("not a label selector: %(problem)s") % {"problem": exc}) from None
-    if not for_each.get("group") and not for_each.get("labels") and not requirements:
-        raise RunStartError("for_each", _("name a group or at least one label; an empty selector is refused"))
-    devices = _devices_matching(for_each)
-    enabled = [device.name for device in devices if device.enabled]
-    if not enabled:
-        raise RunStartError("for_each", _("no enabled device matches"))
-    limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
-    if len(enabled) > limit:
-        raise RunStartError(
-            "for_each",
-            _(
-                "%(count)d devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES (%(limit)d); "
-                "a fan-out step rolls out to a fleet at a set pace"
-            )
-            % {"count": len(enabled), "limit": limit},
-        )
+    for_each_target_check(
+        group=for_each.get("group") or "",
+        labels=for_each.get("labels") or {},
+        selector=for_each.get("selector") or "",
+    )
+    enabled = [device.name for device in _devices_matching(for_each) if device.enabled]
+    for_each_count_check(len(enabled))
     return {"matched": len(enabled), "devices": enabled[:PREVIEW_MAX_DEVICES], "first": enabled[0]}
 
 

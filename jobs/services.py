@@ -260,25 +260,9 @@ def run_start_each(
     The devices are those enabled when the trigger fires. An empty
     selector (it would match every device) is refused.
     """
-    try:
-        requirements = selector_parse(selector)
-    except ValueError as exc:
-        raise RunStartError("for_each", _("not a label selector: %(problem)s") % {"problem": exc}) from None
-    if not group and not labels and not requirements:
-        raise RunStartError("for_each", _("name a group or at least one label; an empty selector is refused"))
+    for_each_target_check(group=group, labels=labels or {}, selector=selector)
     devices = fanout_devices({"group": group, "labels": labels or {}, "selector": selector})
-    if not devices:
-        raise RunStartError("for_each", _("no enabled device matches"))
-    limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
-    if len(devices) > limit:
-        raise RunStartError(
-            "for_each",
-            _(
-                "%(count)d devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES (%(limit)d); "
-                "a fan-out step rolls out to a fleet at a set pace"
-            )
-            % {"count": len(devices), "limit": limit},
-        )
+    for_each_count_check(len(devices))
     key = options.pop("idempotency_key", None)
     return [
         run_start(
@@ -289,3 +273,29 @@ def run_start_each(
         )[0]
         for device in devices
     ]
+
+
+def for_each_target_check(*, group: str, labels: dict[str, str], selector: str) -> None:
+    """Refuse a for-each target whose selector does not parse, or that would match every device."""
+    try:
+        requirements = selector_parse(selector)
+    except ValueError as exc:
+        raise RunStartError("for_each", _("not a label selector: %(problem)s") % {"problem": exc}) from None
+    if not group and not labels and not requirements:
+        raise RunStartError("for_each", _("name a group or at least one label; an empty selector is refused"))
+
+
+def for_each_count_check(count: int) -> None:
+    """Refuse a for-each start over no enabled device or over more than the deployment allows."""
+    if not count:
+        raise RunStartError("for_each", _("no enabled device matches"))
+    limit = settings.IOTQUEUE_FOR_EACH_MAX_DEVICES
+    if count > limit:
+        raise RunStartError(
+            "for_each",
+            _(
+                "%(count)d devices match, more than IOTQUEUE_FOR_EACH_MAX_DEVICES (%(limit)d); "
+                "a fan-out step rolls out to a fleet at a set pace"
+            )
+            % {"count": count, "limit": limit},
+        )
