@@ -71,6 +71,18 @@ def run_status(run: JobRun) -> str:
     return run.status
 
 
+def run_started_on(sdk, device, **step_fields):
+    """A one-step run of `firmware/update` on `device` (its step given `step_fields`), and
+    the execution the SDK device was notified of and started."""
+    template = template_with_steps((device, "firmware/update", {}))
+    template.steps.update(**step_fields)
+    run, _ = run_start(template=template)
+    job = sdk.next("notify-next").execution
+    sdk.start_next()
+    sdk.next("start-next/accepted")
+    return run, job
+
+
 def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     stack, services, aws_device, manual_device
 ):
@@ -158,12 +170,7 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
 def test_a_rejected_execution_ends_its_step_rejected_without_retry(stack, aws_device):
     # given an execution started on an AWS IoT Jobs device, of a step allowed three attempts
     device, sdk = aws_device()
-    template = template_with_steps((device, "firmware/update", {}))
-    template.steps.update(max_attempts=3)
-    run, _ = run_start(template=template)
-    job = sdk.next("notify-next").execution
-    sdk.start_next()
-    sdk.next("start-next/accepted")
+    run, job = run_started_on(sdk, device, max_attempts=3)
 
     # when the device rejects it
     sdk.update(job.job_id, "REJECTED", status_details={"reason": "battery low"})
@@ -300,12 +307,7 @@ def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack
 def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_device):
     # given an execution of a step allowed two attempts, started on an AWS IoT Jobs device
     device, sdk = aws_device()
-    template = template_with_steps((device, "firmware/update", {}))
-    template.steps.update(max_attempts=2, backoff_seconds=0)
-    run, _ = run_start(template=template)
-    first = sdk.next("notify-next").execution
-    sdk.start_next()
-    sdk.next("start-next/accepted")
+    run, first = run_started_on(sdk, device, max_attempts=2, backoff_seconds=0)
 
     # when the device reports it FAILED
     sdk.update(first.job_id, "FAILED", status_details={"reason": "flash error"})
