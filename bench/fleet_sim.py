@@ -60,7 +60,8 @@ def _json(body: dict[str, Any]) -> bytes:
 
 
 class FleetSimulator:
-    """`names` devices served by `connections` MQTT connections, answering every command at once."""
+    """`names` devices served by `connections` MQTT connections, answering every command at
+    once (its `done` `done_after_seconds` later, when set)."""
 
     def __init__(
         self,
@@ -72,11 +73,18 @@ class FleetSimulator:
         password: str | None = None,
         connections: int = 24,
         heartbeat_seconds: float = 60.0,
+        done_after_seconds: float = 0.0,
     ) -> None:
+        from devtools.simulator import _Timers
         from iotqueue.mqtt import client_create
 
         self.names, self.url, self.prefix = names, url, prefix
         self.heartbeat_seconds = heartbeat_seconds
+        # A command's `done` goes this long after its `ack` (0: at once, in the network
+        # thread); later ones from devtools.simulator's one timer thread, which never sleeps
+        # in a connection's network thread (bench.preview_eta's 2-second commands).
+        self.done_after_seconds = done_after_seconds
+        self._timers = _Timers() if done_after_seconds > 0 else None
         self.shards = [names[i::connections] for i in range(min(connections, len(names)))]
         self.clients: list[mqtt.Client] = []
         for i, shard in enumerate(self.shards):
@@ -103,6 +111,8 @@ class FleetSimulator:
         """Connect every connection and wait until each is subscribed to all its devices."""
         from iotqueue.mqtt import client_connect
 
+        if self._timers is not None:
+            self._timers.start()
         for client in self.clients:
             client_connect(client, url=self.url)
         deadline = time.monotonic() + timeout
@@ -128,7 +138,8 @@ class FleetSimulator:
             userdata["ready"].set()
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
-        """A command: record it, answer ack and done on the device's topics (QoS 1)."""
+        """A command: record it, answer ack and done on the device's topics (QoS 1); the done
+        `done_after_seconds` later when set (a redelivered command's done at once)."""
         topic = message.topic
         device = topic[self._cmd_start : topic.find("/cmd/", self._cmd_start)]
         try:
@@ -156,6 +167,9 @@ class FleetSimulator:
             client.publish(base + "ack", _json({"id": command_id, "token": token}), qos=1)
             again = _json({"id": command_id, "ok": True, "token": token, "result": {"device": device}})
             self._done[command_id] = again
+            if self._timers is not None:
+                self._timers.call_later(self.done_after_seconds, client.publish, base + "done", again, 1)
+                return
         client.publish(base + "done", again, qos=1)
 
     # --- presence -----------------------------------------------------------------------------
@@ -197,6 +211,8 @@ class FleetSimulator:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(STOP_TIMEOUT_SECONDS)
+        if self._timers is not None:
+            self._timers.stop()
         for client in self.clients:
             client.disconnect()
             client.loop_stop()

@@ -3,7 +3,9 @@
 A fan-out's finish is replayed pump by pump with the pump's own arithmetic
 (jobs/engine/fanout.py `rollout_pace`, `rollout_room`): a pump runs when a row ends and
 when the oldest start of the rate's window leaves it, exactly the two occasions the engine
-pumps on. Rows start in device-name order (the order the fan-out writes them in).
+pumps on. Rows start in device-name order (the order the fan-out writes them in). The
+preview takes the mean of such replays over where the monitor's tick falls
+(`fanout_expected_seconds`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ TYPICAL_SAMPLE_ROWS = 50
 # Pumps replayed at most: every pump starts a row or ends one, so a fleet of
 # IOTQUEUE_FANOUT_MAX_DEVICES takes at most twice that many (and a bit).
 ESTIMATE_MAX_PUMPS = 250_000
+# Lateness values fanout_expected_seconds replays a fan-out at, spread over one monitor tick:
+# enough that no one lattice of pump instants decides the estimate, few enough that a
+# 100,000-device preview replays in well under a second each.
+TICK_PHASES = 4
 # Seconds two replayed instants may differ by and still be one: `start + window - window`
 # need not equal `start` in floating point, and a start must leave its window when due.
 INSTANT = 1e-6
@@ -103,6 +109,32 @@ def fanout_finish_seconds(
         oldest = in_window[0][0] if allowed and in_window else None
         now = _next_pump(now, at_work, oldest, window.total_seconds() + deadline_lateness)
     return None
+
+
+def fanout_expected_seconds(
+    spec: Mapping[str, Any], rows: Sequence[RowTiming], *, tick: float = 0.0
+) -> float | None:
+    """The fan-out's finish averaged over where the monitor's tick falls: the mean of
+    fanout_finish_seconds with a window's pump late by each of TICK_PHASES lateness values
+    spread over one `tick` (the midpoints of its quarters for 4); None when one replay is.
+
+    A due deadline is claimed at the first tick after it, so a pump that waits for the
+    rate's window runs late by anything from 0 to a tick. One replay at the mean lateness
+    (half a tick) lines every pump up on a half-tick lattice, and a row duration on that
+    lattice (the default 2 s against a ramp's 1-s windows) resonates with it: each row's end
+    finds its window freed at that very instant, a tie no engine pump meets, and the replay
+    finished 13-18 % sooner than at 2.01 or 1.99 s (bench/preview_eta.py). The finish is
+    not linear in the lateness, so the mean of the finishes is the estimate, not the finish
+    at the mean lateness. `tick` 0: the plain replay (pumps on time)."""
+    if tick <= 0:
+        return fanout_finish_seconds(spec, rows)
+    finishes = [
+        fanout_finish_seconds(spec, rows, deadline_lateness=tick * (phase + 0.5) / TICK_PHASES)
+        for phase in range(TICK_PHASES)
+    ]
+    if any(seconds is None for seconds in finishes):
+        return None
+    return sum(finishes) / TICK_PHASES
 
 
 def _next_pump(now: float, at_work: list[tuple[float, bool]], oldest: float | None, window: float) -> float:

@@ -24,7 +24,7 @@ from .choices import StepKind
 from .engine.plan import FANOUT, spec_kind, step_target_name
 from .estimate import (
     TYPICAL_SAMPLE_ROWS,
-    fanout_finish_seconds,
+    fanout_expected_seconds,
     row_timing,
     typical_seconds,
 )
@@ -43,9 +43,6 @@ from .versions import version_snapshot
 # Device names a step's preview lists at most (the counts cover them all): a preview of a
 # 100,000-device fan-out stays a few kilobytes.
 PREVIEW_MAX_DEVICES = 100
-# How many monitor ticks late a deadline's pump runs on average: it is claimed at the
-# first tick after it is due, half a tick later on average.
-DEADLINE_LATENESS_TICKS = 0.5
 # The columns a preview reads of each targeted device (one query per step).
 DEVICE_COLUMNS = ("name", "enabled", "online", "presence_required", "min_interval_seconds", "max_per_minute")
 
@@ -331,9 +328,8 @@ def _step_estimate(
     ]
     timed_out = sum(not row.succeeds for row in rows)
     if kind == FANOUT:
-        seconds = fanout_finish_seconds(
-            spec, rows, deadline_lateness=DEADLINE_LATENESS_TICKS * monitor_interval()
-        )
+        # A pump waiting for the rate's window runs at the monitor's next tick after it.
+        seconds = fanout_expected_seconds(spec, rows, tick=monitor_interval())
         return {"seconds": seconds, "method": "rollout_replay", "rows_timing_out": timed_out, **base}
     seconds = rows[0].seconds if rows else None
     return {"seconds": seconds, "method": "queue_then_typical", "rows_timing_out": timed_out, **base}

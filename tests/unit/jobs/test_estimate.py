@@ -6,7 +6,9 @@ import pytest
 from jobs.engine.fanout import ramp_pace, rollout_rate
 from jobs.estimate import (
     DEFAULT_STEP_SECONDS,
+    TICK_PHASES,
     RowTiming,
+    fanout_expected_seconds,
     fanout_finish_seconds,
     row_timing,
     typical_seconds,
@@ -84,3 +86,38 @@ def test_a_pump_waiting_for_its_window_runs_late_by_the_monitors_tick():
     on_time = fanout_finish_seconds(RAMP, rows(3, seconds=0.5))
     late = fanout_finish_seconds(RAMP, rows(3, seconds=0.5), deadline_lateness=0.5)
     assert late == pytest.approx(on_time + 2 * 0.5)  # two waits for a window, each half a tick late
+
+
+def test_the_expected_finish_is_the_mean_over_where_the_monitors_tick_falls():
+    # Given pumps late by 1/8, 3/8, 5/8 and 7/8 of a 1-s tick: the mean of those replays
+    on_time = fanout_finish_seconds(RAMP, rows(3, seconds=0.5))
+    finishes = [
+        fanout_finish_seconds(RAMP, rows(3, seconds=0.5), deadline_lateness=(i + 0.5) / TICK_PHASES)
+        for i in range(TICK_PHASES)
+    ]
+    assert fanout_expected_seconds(RAMP, rows(3, seconds=0.5), tick=1.0) == pytest.approx(sum(finishes) / 4)
+    # Two waits for a window, each half a tick late on average; no tick: pumps on time.
+    assert fanout_expected_seconds(RAMP, rows(3, seconds=0.5), tick=1.0) == pytest.approx(on_time + 1.0)
+    assert fanout_expected_seconds(RAMP, rows(3, seconds=0.5)) == on_time
+
+
+# bench/preview_eta.py's ramp: 2 a second at first, 1-s windows (ramp_pace), to 20 a second.
+BENCH_RAMP = {
+    "rollout_per_minute": 120,
+    "rollout_increment_factor": 2,
+    "rollout_increment_every": 50,
+    "rollout_max_per_minute": 1200,
+}
+
+
+def test_a_typical_duration_of_two_windows_does_not_resonate_with_the_replay():
+    # Given the default 2 s per command, two of the ramp's 1-s windows, and a hair either side
+    replay = {
+        s: fanout_finish_seconds(BENCH_RAMP, rows(500, s), deadline_lateness=0.5) for s in (1.99, 2.0, 2.01)
+    }
+    expected = {s: fanout_expected_seconds(BENCH_RAMP, rows(500, s), tick=1.0) for s in (1.99, 2.0, 2.01)}
+    # Then one replay at half a tick late finishes far sooner at exactly 2 s (every row's end
+    # meets its window freed at that instant, a tie the engine's pumps never meet) ...
+    assert replay[2.0] < 0.9 * min(replay[1.99], replay[2.01])
+    # ... and the mean over the tick does not jump there
+    assert max(expected.values()) - min(expected.values()) < 0.01 * expected[2.0]
