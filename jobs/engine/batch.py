@@ -82,7 +82,7 @@ from .batch_publish import LastWrites
 from .executor import BatchConflict, BatchRetry, Executor, safely, transition
 from .kinds import PLANNED_DEADLINES, REGISTRY, row_batched, row_ended_handler
 from .plan import RUN_ACTIVE, command_id_step, holder_step_id
-from .preempt import PreemptExecutor, preempt_plan, preempt_refusal
+from .preempt import PreemptExecutor, preempt_refusal
 from .runs import run_finish, step_error
 from .start import StepRefused, step_start
 
@@ -525,7 +525,7 @@ def row_preempt_apply(*, step_run_id: int, retries: int = PREEMPT_RETRIES) -> bo
     done = [False]
 
     def prepare() -> None:
-        batch.preempt_op = preempt_plan(batch.plan, row, victim, state.fence)
+        batch.preempt(row, victim, state.fence)
         done[0] = True
 
     def again() -> None:

@@ -28,9 +28,10 @@ priority order as any other.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
-from devices.locks import Preempted
+from devices.locks import Preempted, device_lock_preempt
 
 from ..deadlines import KINDS, Deadline, deadline_score
 from ..models import STEP_IN_FLIGHT, Phase, StepRun, StepStatus
@@ -39,6 +40,8 @@ from .executor import BatchConflict, Executor
 from .kinds import row_commanded, row_ended_handler
 from .plan import RUN_ACTIVE, lease_seconds, step_holder, step_preempts, step_spec
 from .planner import Plan
+
+log = logging.getLogger(__name__)
 
 # Fields the displaced row's compare-and-set writes: back in the queue (its command id is
 # kept, so its late replies are recognized as stale).
@@ -92,6 +95,17 @@ def preempt_plan(plan: Plan, row: StepRun, victim: StepRun, fence: int) -> int:
         by_run=str(row.run_id),
         fence=fence,
     )
+    # The urgent row's own compare-and-set before the lock call (it writes what the row
+    # holds): a row that moved (its run canceled) is found before the device is taken, and
+    # the row stays locked for its dispatch write after the lock call.
+    plan.write(
+        StepRun,
+        [row],
+        ["status"],
+        status_in=(StepStatus.QUEUED,),
+        match="attempt",
+        conflict="the urgent row moved meanwhile",
+    )
     attempt = attempt_new(row, fence=0, now=plan.now)
     index = plan.locks.preempt(
         device,
@@ -120,11 +134,44 @@ def preempt_plan(plan: Plan, row: StepRun, victim: StepRun, fence: int) -> int:
 class PreemptExecutor(Executor):
     """The executor of a preemption: its lock call must have displaced the holder it named
     (Preempted); any other outcome (the holder moved on) rolls the transition back, the
-    lock call undone, to be planned again from a fresh read."""
+    lock call undone, to be planned again from a fresh read.
+
+    How it fails: a transaction that fails after the lock displaced the holder (a database
+    error) gives the lock back to the displaced holder, whose command is still running on
+    the device (its `cancel` was never sent), and the urgent row waits at the head of its
+    band. The lock's fence has grown meanwhile, so the displaced attempt's own release is
+    refused as stale: the device stays held until that lease runs out and the monitor
+    passes it on. Slower, never two commands on the device."""
 
     preempt_op: int | None = None
+    victim: StepRun | None = None
+
+    def preempt(self, row: StepRun, victim: StepRun, fence: int) -> None:
+        """Plan `row` taking its device from `victim` (`preempt_plan`)."""
+        self.victim = victim
+        self.preempt_op = preempt_plan(self.plan, row, victim, fence)
 
     def locks_apply(self) -> None:
         super().locks_apply()
         if self.preempt_op is not None and not isinstance(self.outcomes[self.preempt_op], Preempted):
             raise BatchConflict("the device's holder moved on before the preemption")
+
+    def undo(self) -> None:
+        index = self.preempt_op
+        outcome = self.outcomes[index] if index is not None and index < len(self.outcomes) else None
+        if isinstance(outcome, Preempted):
+            op = self.plan.locks.ops[index]
+            try:
+                device_lock_preempt(
+                    op["d"],
+                    holder=op["v"],
+                    priority=op["vp"],
+                    lease_seconds=lease_seconds(step_spec(self.victim)),
+                    displace=outcome.holder,
+                    displace_fence=outcome.fence,
+                    displace_priority=op["p"],
+                )
+            except Exception:
+                log.exception("undoing a preemption on %s; the lease will end it instead", op["d"])
+            self.outcomes[index] = None  # given back: nothing for the general undo to pass on
+        super().undo()

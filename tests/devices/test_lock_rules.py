@@ -305,3 +305,20 @@ def test_a_preempt_of_a_holder_that_moved_on_is_a_plain_acquire(device):
     device_lock_release(device, holder="a:other", fence=other.fence)
     device_lock_release(device, holder="a:urgent", fence=other.fence + 1)
     assert preempt(device, "a:urgent2", "a:gone", 1) == Grant("a:urgent2", other.fence + 2)
+
+
+def test_a_preemption_undone_gives_the_lock_back_under_a_new_fence(device):
+    # given an urgent holder that displaced a low one (its transaction then failed)
+    low = acquire(device, "a:low", priority=2)
+    acquire(device, "a:other", priority=9)
+    taken = preempt(device, "a:urgent", "a:low", low.fence, displace_priority=2)
+
+    # when the executor gives the lock back (the reverse preemption)
+    back = preempt(device, "a:low", "a:urgent", taken.fence, priority=2, displace_priority=9)
+
+    # then the low holder holds it again under a fence higher than both, so its own old
+    # release is stale (the lease ends it), and the urgent holder waits first in its band
+    assert (back.holder, back.fence) == ("a:low", taken.fence + 1)
+    state = device_lock_state(device)
+    assert state.queue == ["a:urgent", "a:other"]
+    assert device_lock_release(device, holder="a:low", fence=low.fence) is None
