@@ -46,6 +46,12 @@ def intervals_disjoint(spans: list[tuple[float, float]]) -> bool:
     return all(end <= next_start for (_, end), (next_start, _) in pairwise(spans))
 
 
+@pytest.fixture(autouse=True)
+def _preempt_from_priority_8(settings):
+    """As the stack's processes run (should a transition run in this process too)."""
+    settings.IOTQUEUE_PREEMPT_PRIORITY = 8
+
+
 @pytest.fixture
 def busy_device(stack, simulator):
     """A device busy with a long, low-priority download (acknowledged: in flight)."""
