@@ -4,7 +4,8 @@ A device executes one command at a time. `device_lock_acquire` grants the lock w
 fencing token, or puts the caller in the device's wait queue (priority, then arrival).
 `device_lock_release` by the current holder hands the lock straight to the head of the
 queue and returns that grant, so the caller can dispatch the next holder at once: nobody
-polls and no worker waits.
+polls and no worker waits. `device_lock_preempt` lets an urgent holder take the lock from
+the one holding it, which waits again (docs/orchestration.md#urgent-preemption).
 
 One script makes every change: `lua/transition.lua` applies a LockBatch (acquires,
 releases, extends, the reclaim of expired leases, the restore after a Redis loss) in one
@@ -61,6 +62,14 @@ class Grant:
     # An acquire by the holder it was already granted to (a re-acquire): nothing new was
     # taken, so there is nothing to give back when the acquiring transition is undone.
     held: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Preempted(Grant):
+    """An urgent acquire took the lock from `displaced` (now back in the queue, its fence
+    stale) and holds it under `fence` (`LockBatch.preempt`)."""
+
+    displaced: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,32 @@ def device_lock_acquire(
     return device_locks_apply(batch)[0]
 
 
+def device_lock_preempt(
+    device: str,
+    *,
+    holder: str,
+    priority: int,
+    lease_seconds: float,
+    displace: str,
+    displace_fence: int,
+    displace_priority: int,
+) -> Grant | Queued | NotReady:
+    """Take the device's lock from `displace` (still holding it under `displace_fence`),
+    which waits again at the head of its priority band; Preempted, or what
+    `device_lock_acquire` gives when it no longer holds it (`LockBatch.preempt`)."""
+    batch = LockBatch()
+    batch.preempt(
+        device,
+        holder=holder,
+        priority=priority,
+        lease_seconds=lease_seconds,
+        displace=displace,
+        displace_fence=displace_fence,
+        displace_priority=displace_priority,
+    )
+    return device_locks_apply(batch)[0]
+
+
 def device_lock_release(
     device: str, *, holder: str, fence: int, lease_seconds: float | None = None, force: bool = False
 ) -> Grant | None:
@@ -381,6 +416,35 @@ class LockBatch:
         self.ops.append(op)
         return len(self.ops) - 1
 
+    def preempt(
+        self,
+        device: str,
+        *,
+        holder: str,
+        priority: int,
+        lease_seconds: float,
+        displace: str,
+        displace_fence: int,
+        displace_priority: int,
+        on_grant: dict[str, float] | None = None,
+        on_queue: dict[str, float] | None = None,
+    ) -> int:
+        """An urgent acquire that takes the lock from `displace` if it still holds it under
+        `displace_fence` (a compare-and-set): the fence grows, so the displaced holder's
+        token is stale, and it waits again at the head of its `displace_priority` band.
+        Its outcome is Preempted; otherwise (the holder moved on) what `acquire` gives.
+        Urgent preemption: docs/orchestration.md#urgent-preemption."""
+        index = self.acquire(
+            device,
+            holder=holder,
+            priority=priority,
+            lease_seconds=lease_seconds,
+            on_grant=on_grant,
+            on_queue=on_queue,
+        )
+        self.ops[index].update(o="u", v=displace, vf=displace_fence, vp=displace_priority)
+        return index
+
     def zset_add(self, members: dict[str, float], *, shard: int) -> None:
         """Add (or move) members of the sorted set's `shard`, whatever the outcomes."""
         if members:
@@ -466,7 +530,9 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
 
 def _outcome(op: dict, result: Any) -> Outcome:
     kind = op["o"]
-    if kind == "a":
+    if kind == "u" and result[0] == 3:
+        return Preempted(op["h"], int(result[1]), displaced=op["v"])
+    if kind in ("a", "u"):
         if result[0] in (1, 2):
             return Grant(op["h"], int(result[1]), held=result[0] == 2)
         if result[0] == 0:

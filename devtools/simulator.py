@@ -79,6 +79,9 @@ class DeviceBehaviour:
     reboots: bool = False
     rejecting_actions: frozenset[str] = frozenset()  # v1.1: done says "status": "rejected"
     extend_seconds: float = 0.0  # v1.1: early in each command, a progress asking for this much
+    # (action, ms) pairs: these actions take this long instead of the latency (a slow
+    # command, e.g. a firmware download, that another can preempt while it is in flight)
+    action_latency_ms: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.latency_min_ms <= self.latency_max_ms:
@@ -453,6 +456,7 @@ class SimulatedDevice:
     def _schedule(self, command: dict[str, Any]) -> list[_Timer]:
         behaviour = self.behaviour
         latency = self._rng.uniform(behaviour.latency_min_ms, behaviour.latency_max_ms) / 1000
+        latency = dict(behaviour.action_latency_ms).get(command["action"], latency * 1000) / 1000
         timers = [self._timers.call_later(latency, self._command_finish, command)]
         if behaviour.progress and not behaviour.reply_topic:
             body = _json({"id": command["id"], "progress": 50})
@@ -495,6 +499,7 @@ class SimulatedDevice:
             self._in_flight.pop(command["id"], None)
             if not self._book.finish(command["id"], body):
                 return  # canceled or abandoned meanwhile
+            command["done_at"] = time.monotonic()  # with received_at: when it was in hand
             if rejected:
                 self.counts["rejected"] += 1
             elif not ok:
@@ -513,6 +518,9 @@ class SimulatedDevice:
                 timer.cancel()
             if running:
                 self.counts["canceled"] += 1
+                for record in self._received:
+                    if record.get("id") == target and "done_at" not in record:
+                        record["done_at"] = time.monotonic()
             if self.behaviour.silent:
                 return
             if running:

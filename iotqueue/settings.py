@@ -345,6 +345,20 @@ IOTQUEUE_LOCK_SHARDS = env.int("IOTQUEUE_LOCK_SHARDS", default=16)
 if IOTQUEUE_LOCK_SHARDS < 1:
     raise ImproperlyConfigured("IOTQUEUE_LOCK_SHARDS must be at least 1")
 
+# Urgent preemption (docs/orchestration.md#urgent-preemption): a step marked `urgent` whose
+# run's priority (0..9) is at least this may take a busy device from a lower-priority run's
+# command in flight, which is canceled on the device and queued again. Unset or "none": no
+# step ever preempts. Anything else than 0..9 or none refuses to start (fails closed).
+_PREEMPT_PRIORITY = env("IOTQUEUE_PREEMPT_PRIORITY", default="").strip().lower()
+if _PREEMPT_PRIORITY in ("", "none"):
+    IOTQUEUE_PREEMPT_PRIORITY = None
+elif _PREEMPT_PRIORITY.isdigit() and int(_PREEMPT_PRIORITY) <= 9:
+    IOTQUEUE_PREEMPT_PRIORITY = int(_PREEMPT_PRIORITY)
+else:
+    raise ImproperlyConfigured(
+        f"IOTQUEUE_PREEMPT_PRIORITY must be a priority 0..9 or 'none', not {_PREEMPT_PRIORITY!r}"
+    )
+
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default=REDIS_URL)
 # Results are stored only by tasks that ask (CELERY_TASK_IGNORE_RESULT below): chords and
 # AsyncResult of canvas device commands (jobs/canvas.py) need a backend; Redis is it.

@@ -150,6 +150,16 @@ class JobStep(models.Model):
     )
     compensation_action = models.CharField(_("compensation action"), max_length=128, blank=True)
     compensation_args = models.JSONField(_("compensation args"), default=dict, blank=True)
+    # Urgent preemption (docs/orchestration.md#urgent-preemption).
+    urgent = models.BooleanField(
+        _("urgent"),
+        default=False,
+        help_text=_(
+            "An urgent step of a run at or above the deployment's IOTQUEUE_PREEMPT_PRIORITY "
+            "takes a busy device from a lower-priority run: that command is canceled on the "
+            "device and queued again."
+        ),
+    )
     # Fan-out (group / labels targets).
     rollout_per_minute = models.PositiveIntegerField(
         _("rollout per minute"), default=0, help_text=_("Devices started per minute; 0 = no limit.")

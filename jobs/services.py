@@ -55,6 +55,7 @@ PLAN_FIELDS = (
     "on_failure",
     "compensation_action",
     "compensation_args",
+    "urgent",
     "rollout_per_minute",
     "max_in_flight",
     "abort_failure_percent",

@@ -260,6 +260,9 @@ def stack(services, django_db_setup, django_db_blocker, tmp_path_factory) -> Ite
             # Rescue of lost work within seconds, not the production half-minute.
             "IOTQUEUE_RECONCILE_SECONDS": "3",
             "IOTQUEUE_HANDOFF_LEASE_SECONDS": "5",
+            # Urgent steps of runs of priority 8 or 9 may preempt (tests/jobs/test_preemption.py);
+            # no other test marks a step urgent.
+            "IOTQUEUE_PREEMPT_PRIORITY": "8",
             # Webhook retries in fractions of a second, and a webhook disabled after two
             # deliveries failed for good (tests/webhooks).
             "IOTQUEUE_WEBHOOK_BACKOFF_SECONDS": "0.2",

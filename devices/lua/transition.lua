@@ -23,6 +23,8 @@
 --    hash key prefix: a device's lock hash is p .. device, in KEYS[s]'s hash slot}
 --   {"o": "s", "d": device, "k": key index, "h": executing holder or "", "f": its fence,
 --    "m": the highest fence the database saw for the device, "l": lease ms}
+--   {"o": "u", as "a", plus "v": the holder to displace, "vf": its fence, "vp": its priority}:
+--    an urgent acquire that preempts (see "Urgent preemption" below)
 -- Returns JSON, per group one entry per op:
 --   acquire: [1, fence] when granted, [2, fence] when the caller already holds it (re-acquire
 --     is idempotent, so a redelivered task does not queue behind itself; the caller took
@@ -41,6 +43,8 @@
 --     it again while it is being reclaimed (a lease entry without a lock is dropped).
 --   restore: [1]; the fence counter is raised to m (tokens keep increasing) and an
 --     executing holder gets its lock back, unless the lock is held already.
+--   preempt: [3, fence] when v (under fence vf) was displaced and the caller holds the lock
+--     under a new fence; otherwise what an acquire ("a") answers.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local req = cjson.decode(ARGV[1])
@@ -147,8 +151,32 @@ local function restore(s, op)
   return {1}
 end
 
+-- --- Urgent preemption (docs/orchestration.md#urgent-preemption) -------------------------
+-- An urgent holder takes the lock from the holder the caller names (v, under fence vf: a
+-- compare-and-set, so only the command the caller decided to preempt is displaced). In one
+-- step: the fence grows (v's token is stale from now on: its release, extend and late
+-- replies are refused), v goes back to the queue at the head of its priority band (score
+-- band * BAND: arrival numbers start at 1, so it is served before every waiter of its own
+-- priority and after every waiter of a higher one), and the caller leaves the queue and
+-- holds the lock with a lease. When v no longer holds the lock under vf (it ended, the
+-- lock moved on), the operation is a plain acquire: granted if free, else queued.
+local function preempt(s, zset, ready, op)
+  local lock, fence_key, queue = KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
+  if not ready or not holds(lock, {h = op.v, f = op.vf}) then
+    return acquire(s, zset, ready, op)
+  end
+  local fence = redis.call('INCR', fence_key)
+  redis.call('ZREM', queue, op.h)
+  redis.call('ZADD', queue, (9 - op.vp) * BAND, op.v)
+  redis.call('HSET', lock, 'holder', op.h, 'fence', fence, 'since', now)
+  redis.call('ZADD', KEYS[s], now + op.l, op.d)
+  zadd_all(zset, op.g)
+  return {3, fence}
+end
+-- --- end of urgent preemption -----------------------------------------------------------
+
 -- An unknown operation is refused before anything is written (a script is not rolled back).
-local KINDS = {a = true, r = true, e = true, q = true, c = true, s = true}
+local KINDS = {a = true, r = true, e = true, q = true, c = true, s = true, u = true}
 for _, group in ipairs(req.groups) do
   for _, op in ipairs(group.ops or {}) do
     if not KINDS[op.o] then
@@ -164,11 +192,11 @@ for _, group in ipairs(req.groups) do
   local results = {}
   for _, op in ipairs(group.ops or {}) do
     local result
-    if op.o == 'a' then
+    if op.o == 'a' or op.o == 'u' then
       if ready == nil then
         ready = redis.call('EXISTS', KEYS[s + 2]) == 1
       end
-      result = acquire(s, zset, ready, op)
+      result = (op.o == 'a' and acquire or preempt)(s, zset, ready, op)
     elseif op.o == 'r' then
       result = release(s, op)
     elseif op.o == 'e' then

@@ -120,7 +120,7 @@ class JobStepInline(admin.StackedInline):
                 "fields": [
                     ("timeout_seconds", "ack_timeout_seconds", "queue_timeout_seconds", "delay_seconds"),
                     ("max_attempts", "backoff_seconds", "on_failure", "max_extend_seconds"),
-                    ("compensation_action", "compensation_args"),
+                    ("compensation_action", "compensation_args", "urgent"),
                 ]
             },
         ),

@@ -6,6 +6,8 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  call: end the attempts, move the runs on, start and dispatch the next
                  steps, hand freed devices to their next waiters, then publish; and
                  the other transitions' entry points (deadlines, cancels, hand-offs)
+    preempt.py   an urgent step taking its busy device from a lower-priority command in
+                 flight (the command canceled and its row queued again), as a plan
     executor.py  carrying a plan out: its writes, the lock call, the commit, the undo
     planner.py   what such a batch decides (run starts, every reply, due deadlines,
                  cancels, rows taking their locks, hand-offs), as a plan of writes,

@@ -81,7 +81,8 @@ from . import planner
 from .batch_publish import LastWrites
 from .executor import BatchConflict, BatchRetry, Executor, safely, transition
 from .kinds import PLANNED_DEADLINES, REGISTRY, row_batched, row_ended_handler
-from .plan import RUN_ACTIVE, command_id_step
+from .plan import RUN_ACTIVE, command_id_step, holder_step_id
+from .preempt import PreemptExecutor, preempt_refusal
 from .runs import run_finish, step_error
 from .start import StepRefused, step_start
 
@@ -498,6 +499,42 @@ def _rows_start(step_run_ids: list[int], *, quiet: bool, retries: int = CONFLICT
         _transition(batch, prepare, given_up, "leaving it to the sweep")
 
 
+# A preemption that keeps finding the device's holder moved is planned again this many times
+# (each from a fresh read of the lock and the rows); then the urgent row waits in the queue.
+PREEMPT_RETRIES = 3
+
+
+def row_preempt_apply(*, step_run_id: int, retries: int = PREEMPT_RETRIES) -> bool:
+    """An urgent row that joined a busy device's queue takes the device from the command in
+    flight there, if that command's run has a lower priority (preempt.py: the command is
+    canceled on the device and its row queued again, one transition, one lock call).
+    Returns whether it did; a row with nothing to preempt waits in the queue as any other."""
+    rows = rows_select(StepRun, "id", [step_run_id], related=("run", "device"))
+    if not rows or rows[0].device_id is None:
+        return False
+    row = rows[0]
+    state = device_lock_states([row.device.name])[row.device.name]
+    victim_id = holder_step_id(state.holder) if state.holder else None
+    victims = rows_select(StepRun, "id", [victim_id], related=("run", "device")) if victim_id else []
+    victim = victims[0] if victims else None
+    why_not = preempt_refusal(row, victim, state.fence)
+    if why_not:
+        log.info("urgent step %s does not preempt on %s: %s", row.pk, row.device.name, why_not)
+        return False
+    batch = PreemptExecutor({})
+    done = [False]
+
+    def prepare() -> None:
+        batch.preempt(row, victim, state.fence)
+        done[0] = True
+
+    def again() -> None:
+        done[0] = retries > 0 and row_preempt_apply(step_run_id=step_run_id, retries=retries - 1)
+
+    _transition(batch, prepare, again, "planning it again from a fresh read")
+    return done[0]
+
+
 def run_begin(*, run_id: str) -> None:
     """The `run_advance` task: start a run (or its step at the cursor) as one transition."""
     transition_apply(starts=[run_id])
@@ -510,6 +547,7 @@ LATER_WORK: dict[str, Callable[..., None]] = {
     "pass_on": lambda *, device, holder, fence: device_lock_pass_on(device, holder=holder, fence=fence),
     "handoff": lambda *, device, grant: device_lock_handoff(device, grant),
     "policy": _policy,
+    "preempt": row_preempt_apply,
 }
 
 

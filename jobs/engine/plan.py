@@ -59,6 +59,20 @@ def step_spec(step_run: StepRun) -> dict[str, Any]:
     return spec
 
 
+def step_preempts(step_run: StepRun) -> bool:
+    """Whether the row may take its busy device from a lower-priority command in flight:
+    its step is `urgent` and its run's priority is at least IOTQUEUE_PREEMPT_PRIORITY (unset:
+    never). Urgent preemption: docs/orchestration.md#urgent-preemption."""
+    floor = settings.IOTQUEUE_PREEMPT_PRIORITY
+    return (
+        floor is not None
+        and step_run.device_id is not None
+        and step_run.phase == Phase.FORWARD
+        and bool(step_run.run.plan[step_run.index].get("urgent"))
+        and step_run.run.priority >= floor
+    )
+
+
 def spec_kind(spec: dict[str, Any]) -> str:
     """The kind a plan entry starts as: command, delay, wait_online, task or fanout."""
     if spec.get("kind") in (StepKind.DELAY, StepKind.TASK):

@@ -79,6 +79,7 @@ from .plan import (
     step_answerer,
     step_args,
     step_holder,
+    step_preempts,
     step_spec,
     step_target_name,
 )
@@ -765,6 +766,9 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
         elif isinstance(outcome, Queued):
             if not outcome.waiting:
                 plan.queued.setdefault(row.device.name, row)
+                if step_preempts(row):
+                    # Urgent: after the commit it may take the device (batch.row_preempt_apply).
+                    plan.later_add("preempt", step_run_id=row.pk)
             if not plan.quiet:
                 position = outcome.position
                 plan.events.add("step.waiting", step_run=row, message=f"device busy, position {position}")

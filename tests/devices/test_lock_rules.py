@@ -17,11 +17,13 @@ from devices import lock_recovery
 from devices.locks import (
     Grant,
     NotReady,
+    Preempted,
     Queued,
     device_lock_acquire,
     device_lock_dequeue,
     device_lock_expired,
     device_lock_extend,
+    device_lock_preempt,
     device_lock_release,
     device_lock_restore,
     device_lock_state,
@@ -232,3 +234,91 @@ def test_locks_rebuild_restores_every_source_record_then_grants_resume(monkeypat
             assert device_lock_state(record.device).holder == record.holder
             assert device_lock_release(record.device, holder=record.holder, fence=record.fence) is None
         assert acquire(record.device, "b:1") == Grant("b:1", record.floor + 1)
+
+
+# --- urgent preemption -------------------------------------------------------------------
+
+
+def preempt(device, holder, displace, fence, priority=9, displace_priority=5):
+    return device_lock_preempt(
+        device,
+        holder=holder,
+        priority=priority,
+        lease_seconds=LEASE,
+        displace=displace,
+        displace_fence=fence,
+        displace_priority=displace_priority,
+    )
+
+
+def test_an_urgent_holder_takes_the_lock_and_the_displaced_one_waits_at_the_head_of_its_band(device):
+    # given a holder at priority 5, a waiter of the same priority and one of a higher one,
+    # and the urgent holder waiting already
+    low = acquire(device, "a:low", priority=5)
+    acquire(device, "a:same", priority=5)
+    acquire(device, "a:high", priority=7)
+    acquire(device, "a:urgent", priority=9)
+
+    # when the urgent holder preempts the low one
+    taken = preempt(device, "a:urgent", "a:low", low.fence)
+
+    # then it holds the lock under a higher fence, it left the queue, and the displaced
+    # holder waits behind the higher priority and ahead of its own band
+    assert isinstance(taken, Preempted) and taken.displaced == "a:low"
+    assert (taken.holder, taken.fence) == ("a:urgent", low.fence + 1)
+    state = device_lock_state(device)
+    assert (state.holder, state.fence) == ("a:urgent", taken.fence)
+    assert state.queue == ["a:high", "a:low", "a:same"]
+    assert state.lease_until_ms is not None
+
+
+def test_the_displaced_holder_s_stale_fence_is_refused_and_the_urgent_release_hands_back(device):
+    # given a holder displaced by an urgent one
+    low = acquire(device, "a:low", priority=3)
+    taken = preempt(device, "a:urgent", "a:low", low.fence)
+
+    # when the displaced holder's late release and extend come (its command's late done)
+    assert device_lock_release(device, holder="a:low", fence=low.fence) is None
+    assert device_lock_extend(device, holder="a:low", fence=low.fence, lease_seconds=LEASE) is False
+
+    # then nothing changed, and the urgent holder's release hands the device back to it
+    # under a fence higher than both
+    state = device_lock_state(device)
+    assert (state.holder, state.fence, state.queue) == ("a:urgent", taken.fence, ["a:low"])
+    back = device_lock_release(device, holder="a:urgent", fence=taken.fence)
+    assert back == Grant("a:low", taken.fence + 1)
+
+
+def test_a_preempt_of_a_holder_that_moved_on_is_a_plain_acquire(device):
+    # given a holder whose fence the caller read before it released (stale read)
+    low = acquire(device, "a:low")
+    device_lock_release(device, holder="a:low", fence=low.fence)
+    other = acquire(device, "a:other")
+
+    # when the urgent holder asks to displace the old holder: it queues, nobody is displaced
+    queued = preempt(device, "a:urgent", "a:low", low.fence)
+    assert queued == Queued(1)
+    state = device_lock_state(device)
+    assert (state.holder, state.fence, state.queue) == ("a:other", other.fence, ["a:urgent"])
+
+    # and on a free device it is granted as an acquire is
+    device_lock_release(device, holder="a:other", fence=other.fence)
+    device_lock_release(device, holder="a:urgent", fence=other.fence + 1)
+    assert preempt(device, "a:urgent2", "a:gone", 1) == Grant("a:urgent2", other.fence + 2)
+
+
+def test_a_preemption_undone_gives_the_lock_back_under_a_new_fence(device):
+    # given an urgent holder that displaced a low one (its transaction then failed)
+    low = acquire(device, "a:low", priority=2)
+    acquire(device, "a:other", priority=9)
+    taken = preempt(device, "a:urgent", "a:low", low.fence, displace_priority=2)
+
+    # when the executor gives the lock back (the reverse preemption)
+    back = preempt(device, "a:low", "a:urgent", taken.fence, priority=2, displace_priority=9)
+
+    # then the low holder holds it again under a fence higher than both, so its own old
+    # release is stale (the lease ends it), and the urgent holder waits first in its band
+    assert (back.holder, back.fence) == ("a:low", taken.fence + 1)
+    state = device_lock_state(device)
+    assert state.queue == ["a:urgent", "a:other"]
+    assert device_lock_release(device, holder="a:low", fence=low.fence) is None

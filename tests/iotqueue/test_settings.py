@@ -56,6 +56,8 @@ def a_real_key() -> str:
         ({"SECRET_KEY": "too-short", "ALLOWED_HOSTS": "example.com"}, "fewer than 50 characters"),
         ({"SECRET_KEY": "ab" * 40, "ALLOWED_HOSTS": "example.com"}, "distinct characters"),
         ({"SECRET_KEY": a_real_key()}, "ALLOWED_HOSTS is not set"),
+        ({"DEBUG": "true", "IOTQUEUE_PREEMPT_PRIORITY": "high"}, "IOTQUEUE_PREEMPT_PRIORITY must be"),
+        ({"DEBUG": "true", "IOTQUEUE_PREEMPT_PRIORITY": "10"}, "IOTQUEUE_PREEMPT_PRIORITY must be"),
     ],
 )
 def test_without_debug_settings_refuse_to_load(env, refusal):

@@ -14,7 +14,7 @@ from uuid import UUID
 
 from devices import protocol
 from devices.lock_recovery import LEASE_CLAIM_SECONDS
-from devices.locks import Grant, LockBatch, NotReady, Queued
+from devices.locks import Grant, LockBatch, NotReady, Preempted, Queued
 from devices.models import Device
 from jobs.deadlines import Deadline
 from jobs.engine import planner
@@ -98,6 +98,8 @@ class Locks:
                 outcomes.append(op["h"] in waiting)
             elif op["o"] == "s":
                 outcomes.append(self._restore(lock, op))
+            elif op["o"] == "u":
+                outcomes.append(self._preempt(lock, op))
             else:
                 raise AssertionError(f"op {op['o']} is not simulated")
         for writes in batch.writes.values():
@@ -125,6 +127,18 @@ class Locks:
             lock.queue.sort()
         self.zset.update({m: s for s, m in op.get("q", [])})
         return Queued([h for _, h in lock.queue].index(op["h"]) + 1, waiting=waiting)
+
+    def _preempt(self, lock: Lock, op: dict):
+        """The urgent acquire ("u"): displace v (under vf) to the head of its band."""
+        if not self.ready or lock.holder != op["v"] or lock.fence != op["vf"]:
+            return self._acquire(lock, op)
+        lock.counter += 1
+        lock.queue = sorted(
+            [(s, h) for s, h in lock.queue if h != op["h"]] + [((9 - op["vp"]) * BAND, op["v"])]
+        )
+        lock.holder, lock.fence, lock.lease = op["h"], lock.counter, self.now_ms + op["l"]
+        self.zset.update({m: s for s, m in op.get("g", [])})
+        return Preempted(op["h"], lock.fence, displaced=op["v"])
 
     def _release(self, lock: Lock, op: dict):
         if not op.get("x") and (lock.holder != op["h"] or lock.fence != op["f"]):
@@ -189,6 +203,7 @@ class World:
         self.attempt_ends: list[AttemptEnd] = []
         self.run_time_outs: list[tuple] = []  # (run id, when, the run's deadline)
         self.answering: set[str] = set()  # command ids a `done` of this transition answers
+        self.preempts: list[int] = []  # urgent rows a plan asked to preempt for, after its commit
 
     # --- reads -----------------------------------------------------------------------
 
@@ -286,8 +301,9 @@ class World:
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
         # Every input of this world (command steps only) is planned whole: nothing is left
-        # to the general path.
-        assert not plan.later, plan.later
+        # to the general path but an urgent row's preemption, which a test applies itself.
+        self.preempts += [later.args["step_run_id"] for later in plan.later if later.what == "preempt"]
+        assert all(later.what == "preempt" for later in plan.later), plan.later
         # Replies that answer no current attempt: recorded, sampled (counted in Redis).
         self.sampled += [kind for kind, _, _ in plan.events.sampled]
         self.members.update(self.locks.zset)
