@@ -42,7 +42,7 @@ def gateways(label: str, kinds: str, behaviours: dict[str, DeviceBehaviour] | No
     return fleet
 
 
-def rollout(label: str, *, hub=None, **fields) -> JobRun:
+def rollout(label: str, *, hub=None, max_in_flight: int = 1, **fields) -> JobRun:
     """A template: (a hub announcing the rollout, undone by a retraction), then the flash to
     the site, one device at a time, undone by firmware/rollback under policy rollback."""
     template = JobTemplateFactory()
@@ -64,7 +64,7 @@ def rollout(label: str, *, hub=None, **fields) -> JobRun:
         compensation_action=UNDO,
         compensation_args={"image": "v1", "device": "{{ device.name }}"},
         on_failure=OnFailure.ROLLBACK,
-        max_in_flight=1,
+        max_in_flight=max_in_flight,
         abort_criteria=ABORT,
         **fields,
     )
@@ -139,6 +139,26 @@ def test_a_device_whose_rollback_fails_is_named_and_the_run_ends_failed(stack, s
     assert rows == {name: StepStatus.SUCCEEDED for name in sorted(fleet)[1:3]} | {stubborn: StepStatus.FAILED}
     # and the rollback went on with the earlier step all the same
     assert [c["action"] for c in sim.received(hub.name)] == ["rollout/announce", "retract"]
+
+
+def test_a_device_still_at_work_when_the_rollout_aborts_is_rolled_back_once_it_succeeded(stack, simulator):
+    # given a slow healthy gateway and 4 that fail the flash at once, all started together
+    label = f"rbw-{uuid.uuid4().hex[:6]}"
+    slow = f"{label}-00"
+    fleet = gateways(label, "oxxxx", {slow: DeviceBehaviour(latency_min_ms=1500, latency_max_ms=1500)})
+    sim = simulator(fleet)
+
+    run = rollout(label, max_in_flight=0)
+
+    # then the rollout aborts while the slow one works, the rollback waits for it, and it is
+    # rolled back once it has succeeded
+    assert wait_for(lambda: finished(run)).status == RunStatus.COMPENSATED
+    waited = RunEvent.objects.get(run=run, kind="step.compensation_waiting")
+    aborted = RunEvent.objects.get(run=run, kind="step.aborted")
+    assert waited.pk > aborted.pk and waited.data["at_work"] >= 1
+    assert flashed(run) == {slow}
+    assert list(undo_rows(run).values_list("device__name", "status")) == [(slow, StepStatus.SUCCEEDED)]
+    assert [c["action"] for c in sim.received(slow)] == [FLASH, UNDO]
 
 
 def test_a_rollback_is_paced_by_its_own_rate(stack, simulator):
