@@ -5,15 +5,18 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import User
 from django.utils import timezone
 
 from devtools.simulator import DeviceBehaviour
 from iotqueue.redis_conn import lock_redis_connection
 from jobs.cancel import run_cancel
+from jobs.cli import run_load, step_lines
 from jobs.deadlines import Deadline, deadline_score, deadlines_key, deadlines_set
 from jobs.engine.fanout import RATE_WINDOW
 from jobs.models import JobRun, OnFailure, Phase, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
+from jobs.timeline import run_timeline
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobStepFactory, JobTemplateFactory
 
@@ -118,7 +121,7 @@ def test_an_aborted_rollout_is_rolled_back_on_exactly_the_devices_that_succeeded
     assert sim.stats()["totals"]["overlaps"] == 0
 
 
-def test_a_device_whose_rollback_fails_is_named_and_the_run_ends_failed(stack, simulator):
+def test_a_device_whose_rollback_fails_is_named_and_the_run_ends_failed(stack, simulator, client):
     # given a site whose first gateway cannot roll back
     label = f"rbf-{uuid.uuid4().hex[:6]}"
     stubborn = f"{label}-00"
@@ -139,6 +142,20 @@ def test_a_device_whose_rollback_fails_is_named_and_the_run_ends_failed(stack, s
     assert rows == {name: StepStatus.SUCCEEDED for name in sorted(fleet)[1:3]} | {stubborn: StepStatus.FAILED}
     # and the rollback went on with the earlier step all the same
     assert [c["action"] for c in sim.received(hub.name)] == ["rollout/announce", "retract"]
+    # the run page counts the fan-out's compensation rows by status, under "rollback:"
+    (line,) = [line for line in run_timeline(run).plan if line.index == 1]
+    assert {(status, n) for status, _label, n in line.undo} == {
+        (StepStatus.SUCCEEDED, 2),
+        (StepStatus.FAILED, 1),
+    }
+    # and the CLI's run view shows it as one line with its counts, the hub's undo as its own
+    lines = step_lines(run_load(run.pk))
+    assert "3/3" in lines["undo/#1"] and "failed 1, succeeded 2" in lines["undo/#1"]
+    assert UNDO in lines["undo/#1"]
+    assert any(key.startswith("undo/") and "retract" in line for key, line in lines.items())
+    client.force_login(User.objects.create_superuser("rb-boss", "rb@example.com", "pw"))
+    page = client.get(f"/admin/jobs/jobrun/{run.pk}/change/").text
+    assert "rollback:" in page and "step.compensation_done" in page
 
 
 def test_a_device_still_at_work_when_the_rollout_aborts_is_rolled_back_once_it_succeeded(stack, simulator):
