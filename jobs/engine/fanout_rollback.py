@@ -87,6 +87,9 @@ def _compensation_rows_create(run: JobRun, index: int) -> int:
     if not rows:
         return 0
     StepRun.objects.bulk_create(rows, ignore_conflicts=True)
+    for row in rows:
+        if row.status == StepStatus.FAILED:  # refused: counted on /metrics as any failed row
+            event_record("step.failed", run=run, device=row.device.name, message=row.error, index=index)
     rate = spec.get("compensation_per_minute") or 0
     paced = f", {rate} a minute" if rate else ""
     event_record(

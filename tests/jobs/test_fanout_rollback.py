@@ -233,3 +233,30 @@ def test_a_canceled_rollout_is_not_rolled_back(stack, simulator):
     assert run.status == RunStatus.CANCELED
     assert not StepRun.objects.filter(run=run, phase=Phase.COMPENSATION).exists()
     assert not RunEvent.objects.filter(run=run, kind="run.compensating").exists()
+
+
+def test_canceling_a_run_that_rolls_back_stops_its_rollback(stack, simulator):
+    # given a rollback at 1 a minute: its first device rolled back, the other 2 pending
+    label = f"rbs-{uuid.uuid4().hex[:6]}"
+    simulator(gateways(label, "oooxx"))
+    run = rollout(label, compensation_per_minute=1)
+    rows = undo_rows(run)
+    wait_for(
+        lambda: (
+            rows.filter(status=StepStatus.SUCCEEDED).count() == 1
+            and rows.filter(status=StepStatus.PENDING).count() == 2
+        ),
+        what="the first minute's rollback",
+    )
+
+    # when an operator cancels the run
+    assert run_cancel(run=run, by="release-manager")
+
+    # then the run is canceled and the rollback's pending rows with it
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELED
+    assert sorted(rows.values_list("status", flat=True)) == [
+        StepStatus.CANCELED,
+        StepStatus.CANCELED,
+        StepStatus.SUCCEEDED,
+    ]
