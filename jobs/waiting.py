@@ -50,8 +50,10 @@ REASONS = {
     "device_busy": "another run's step holds the device's lock; this step waits in its queue",
     "flow_control": "the step holds the lock; the device's flow limits say when it may be sent",
     "dispatching": "the device's lock is free or handed to this step: it is being sent now",
-    "rollout_rate": "a fan-out's device not started yet: the rollout rate starts it later",
-    "rollout_in_flight": "a fan-out's device not started yet: max in flight devices are at work",
+    "rollout_rate": "a fan-out's device not started yet: the rollout rate (a rollback's: "
+    "compensation_per_minute) starts it later",
+    "rollout_in_flight": "a fan-out's (or its rollback's) device not started yet: max in flight "
+    "devices are at work",
     "delay": "a delay step, over at a known time",
     "wait_online": "a wait-for-online step: its device is not online yet",
     "task_step": "a task step's Celery task is running",
