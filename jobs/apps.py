@@ -12,6 +12,7 @@ KIND_MODULES = (
     "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
     "jobs.engine.taskstep",  # task
     "jobs.engine.rollback",  # the rollback policy and its compensation rows
+    "jobs.engine.fanout_rollback",  # a fan-out's rollback: a compensation row per device
     "jobs.engine.due",  # the deadlines of an attempt
     "jobs.cancel",  # the `run` deadline (max_duration)
 )

@@ -255,7 +255,8 @@ def _fanout_line(label: str, rows: list[StepRun], spec: dict, waiting: Waiting |
 
 
 def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dict[str, str]:
-    """One line per step of the run's plan, then one per compensation (rollback) row; keyed
+    """One line per step of the run's plan, then one per compensation (rollback) row (a
+    fan-out's rollback on many devices: one line with their counts); keyed
     by what the line is about, so a follower can tell which line changed. With `waiting`
     (by row pk: `run_waiting_read`), a waiting row's line says why it waits."""
     waiting = waiting or {}
@@ -281,10 +282,19 @@ def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dic
             )
         else:
             lines[label] = _not_started_line(run, label, spec)
+    undone: dict[int, list[StepRun]] = {}
     for row in sorted(compensations, key=lambda r: r.pk):
-        label = _("undo #%(step)s") % {"step": row.index}
-        undo = _row_line(label, row, {"action": row.action}, waiting.get(row.pk))
-        lines[f"undo/{row.pk}"] = undo
+        undone.setdefault(row.index, []).append(row)
+    for index, rows in undone.items():
+        label = _("undo #%(step)s") % {"step": index}
+        if len(rows) > 1:  # a fan-out's rollback: one line, as its rollout's
+            current = run_current_row(rows)
+            told = waiting.get(current.pk) if current is not None else None
+            spec = {**run.plan[index], "action": rows[0].action}
+            lines[f"undo/#{index}"] = _fanout_line(label, rows, spec, told)
+            continue
+        for row in rows:
+            lines[f"undo/{row.pk}"] = _row_line(label, row, {"action": row.action}, waiting.get(row.pk))
     return lines
 
 

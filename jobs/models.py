@@ -219,6 +219,15 @@ class JobStep(models.Model):
         validators=[MaxValueValidator(100)],
         help_text=_("The step succeeds when this percentage of devices did."),
     )
+    # Rollback on abort (issue 36): the pace of a fan-out's compensation on its devices.
+    compensation_per_minute = models.PositiveIntegerField(
+        _("compensation per minute"),
+        default=0,
+        help_text=_(
+            "Fan-out rolled back (on_failure rollback): devices whose compensation starts per "
+            "minute; 0 = no limit."
+        ),
+    )
 
     class Meta:
         verbose_name = _("job step")

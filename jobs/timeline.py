@@ -11,7 +11,7 @@ import json
 import logging
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -78,6 +78,7 @@ class PlanLine:
     target: str
     counts: list[tuple[str, str, int]]  # (status, its name for people, rows)
     current: bool
+    undo: list[tuple[str, str, int]] = field(default_factory=list)  # its compensation rows, as counts
 
 
 @dataclass(frozen=True)
@@ -328,17 +329,19 @@ def _plan_lines(run: JobRun, counts: Counter) -> list[PlanLine]:
             for (phase, i, status), n in counts.items()
             if phase == Phase.FORWARD and i == index
         )
-        undo = sum(
-            n for (phase, i, _status), n in counts.items() if phase == Phase.COMPENSATION and i == index
+        # A rollback's rows by status too: a fan-out's is undone on many devices.
+        undo = sorted(
+            (status, str(StepStatus(status).label).lower(), n)
+            for (phase, i, status), n in counts.items()
+            if phase == Phase.COMPENSATION and i == index
         )
-        if undo:
-            by_status.append(("compensations", _("compensations"), undo))
         lines.append(
             PlanLine(
                 index=index,
                 label=_step_label(run, index),
                 target=plan_step_target(spec),
                 counts=by_status,
+                undo=undo,
                 current=not run.is_terminal and index == run.cursor,
             )
         )

@@ -50,8 +50,10 @@ REASONS = {
     "device_busy": "another run's step holds the device's lock; this step waits in its queue",
     "flow_control": "the step holds the lock; the device's flow limits say when it may be sent",
     "dispatching": "the device's lock is free or handed to this step: it is being sent now",
-    "rollout_rate": "a fan-out's device not started yet: the rollout rate starts it later",
-    "rollout_in_flight": "a fan-out's device not started yet: max in flight devices are at work",
+    "rollout_rate": "a fan-out's device not started yet: the rollout rate (a rollback's: "
+    "compensation_per_minute) starts it later",
+    "rollout_in_flight": "a fan-out's (or its rollback's) device not started yet: max in flight "
+    "devices are at work",
     "delay": "a delay step, over at a known time",
     "wait_online": "a wait-for-online step: its device is not online yet",
     "task_step": "a task step's Celery task is running",
@@ -107,8 +109,8 @@ class WaitFacts:
     locks: dict[str, LockState] = field(default_factory=dict)
     # deadline member -> due time (dispatch: flow control; pump: the rollout's next device)
     due: dict[str, datetime] = field(default_factory=dict)
-    # (run id, index) of a fan-out -> (rows at work, first pending row's pk)
-    fanouts: dict[tuple[uuid.UUID, int], tuple[int, int | None]] = field(default_factory=dict)
+    # (run id, phase, index) of a fan-out (or its rollback) -> (rows at work, first pending row's pk)
+    fanouts: dict[tuple[uuid.UUID, str, int], tuple[int, int | None]] = field(default_factory=dict)
     # step row pk -> (run id, index) of the holders of the devices' locks
     holders: dict[int, tuple[uuid.UUID, int]] = field(default_factory=dict)
 
@@ -126,24 +128,24 @@ def _needs_lock(row: StepRun) -> bool:
 def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
     """Two queries at most (fan-out counts, lock holders' rows) and one Redis pipeline."""
     facts = WaitFacts()
-    fanout_keys = {(row.run_id, row.index) for row in rows if row.status == StepStatus.PENDING}
+    fanout_keys = {(row.run_id, row.phase, row.index) for row in rows if row.status == StepStatus.PENDING}
     if fanout_keys:
-        runs = {run_id for run_id, _index in fanout_keys}
+        runs = {run_id for run_id, _phase, _index in fanout_keys}
         counted = (
             StepRun.objects.filter(
                 run_id__in=runs,
-                phase=Phase.FORWARD,
-                index__in={index for _run, index in fanout_keys},
+                phase__in={phase for _run, phase, _index in fanout_keys},
+                index__in={index for _run, _phase, index in fanout_keys},
                 status__in=UNFINISHED,
             )
             .order_by()
-            .values_list("run_id", "index")
+            .values_list("run_id", "phase", "index")
             .annotate(
                 at_work=Count("pk", filter=Q(status__in=STEP_AT_WORK)),
                 first=Min("pk", filter=Q(status=StepStatus.PENDING)),
             )
         )
-        facts.fanouts = {(r, i): (n, first) for r, i, n, first in counted if (r, i) in fanout_keys}
+        facts.fanouts = {(r, p, i): (n, first) for r, p, i, n, first in counted if (r, p, i) in fanout_keys}
     devices = sorted({row.device.name for row in rows if _needs_lock(row)})
     members = [Deadline.of("dispatch", row) for row in rows if _needs_lock(row)]
     members += [Deadline("pump", first, 0) for _count, first in facts.fanouts.values() if first is not None]
@@ -276,20 +278,29 @@ def _wait_online(row: StepRun, now: datetime) -> Waiting:
 
 
 def _pending(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
-    """A fan-out's device not started yet: max in flight, or the rollout rate."""
-    at_work, first = facts.fanouts.get((row.run_id, row.index), (0, None))
+    """A fan-out's device not started yet: max in flight, or the rollout rate (a rollback's
+    device: max in flight, or compensation_per_minute)."""
+    at_work, first = facts.fanouts.get((row.run_id, row.phase, row.index), (0, None))
     spec = row.run.plan[row.index]
     device = row.device_name or None
+    undo = row.phase == Phase.COMPENSATION
     limit = spec.get("max_in_flight") or 0
     if limit and at_work >= limit:
-        return Waiting(
-            "rollout_in_flight",
-            _("Rollout: %(count)s devices at work, the most this step allows at once") % {"count": at_work},
-            device=device,
+        message = (
+            _("Rollback: %(count)s devices at work, the most this step allows at once")
+            if undo
+            else _("Rollout: %(count)s devices at work, the most this step allows at once")
         )
+        return Waiting("rollout_in_flight", message % {"count": at_work}, device=device)
     until = facts.due.get(Deadline("pump", first, 0).member) if first is not None else None
-    if until is None:
+    if until is None and undo:
+        message = _("Rollback: this device's compensation starts when compensation_per_minute allows")
+    elif until is None:
         message = _("Rollout: this device starts when the rollout rate allows")
+    elif undo:
+        message = _("Rollback rate: the next device's compensation starts at %(until)s") % {
+            "until": clock(until, now=now)
+        }
     else:
         message = _("Rollout rate: the next device starts at %(until)s") % {"until": clock(until, now=now)}
     return Waiting("rollout_rate", message, device=device, until=until)

@@ -32,6 +32,7 @@ from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, Step
 from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, fanout_devices, step_args
+from .rollback import compensation_next
 from .start import StepRefused
 
 # The window of the rollout rate.
@@ -58,8 +59,8 @@ CAUSE_STATUSES = {
 }
 
 
-def _rows(run: JobRun, index: int):
-    return StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=index)
+def _rows(run: JobRun, index: int, phase: str = Phase.FORWARD):
+    return StepRun.objects.filter(run=run, phase=phase, index=index)
 
 
 def rollout_room(
@@ -149,9 +150,9 @@ def failure_reason(error: str, device: str | None) -> str:
     return error.replace(device, "<device>") if device else error
 
 
-# Its rows are commands the batched path dispatches (its pump: batch.rows_start); a fan-out
-# has no compensation.
-@step_kind(FANOUT, batched_dispatch=True, compensable=False)
+# Its rows are commands the batched path dispatches (its pump: batch.rows_start); a rollback
+# undoes it on each device that succeeded (jobs/engine/fanout_rollback.py).
+@step_kind(FANOUT, batched_dispatch=True)
 def fanout_start(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none."""
     spec = run.plan[index]
@@ -240,20 +241,29 @@ def _status_counts(rows) -> Counter:
     return Counter(dict(rows.order_by().values_list("status").annotate(n=Count("pk"))))
 
 
-def fanout_pump(*, run: JobRun, index: int) -> int:
+def fanout_pace(spec: Mapping[str, Any], rows, phase: str) -> tuple[int, timedelta]:
+    """(devices, window) the pump of `phase`'s rows admits: the rollout's pace, or the
+    rollback's own fixed rate (`compensation_per_minute`, no ramp)."""
+    if phase == Phase.COMPENSATION:
+        return spec.get("compensation_per_minute") or 0, RATE_WINDOW
+    return _rollout_pace(spec, rows)
+
+
+def fanout_pump(*, run: JobRun, index: int, phase: str = Phase.FORWARD) -> int:
     """Start as many pending rows as the rollout rate and max-in-flight allow.
 
     Reads only what the limits need (the rows at work when max-in-flight is set, the rows
     started within the rate's window when a rate is set), never the whole step's counts: a
-    pump runs at every row's end, and a fan-out may have 100,000 rows.
+    pump runs at every row's end, and a fan-out may have 100,000 rows. The rows of a
+    rollback (`phase` compensation) are pumped the same way at `compensation_per_minute`.
     """
     spec = run.plan[index]
     now = timezone.now()
     with transaction.atomic():
         JobRun.objects.select_for_update().filter(pk=run.pk).first()
-        rows = _rows(run, index)
+        rows = _rows(run, index, phase)
         max_in_flight = spec.get("max_in_flight") or 0
-        allowed, rate_window = _rollout_pace(spec, rows)
+        allowed, rate_window = fanout_pace(spec, rows, phase)
         window = rows.filter(queued_at__gt=now - rate_window)
         room = rollout_room(
             # As many as may be pending: the query below takes those there are.
@@ -283,8 +293,9 @@ def fanout_pump(*, run: JobRun, index: int) -> int:
 
 @deadline_handler("pump")
 def pump_due(step_run: StepRun, deadline: Deadline) -> None:
-    """The rollout rate allows more rows of the fan-out `step_run` belongs to."""
-    fanout_pump(run=step_run.run, index=step_run.index)
+    """The rollout rate (or its rollback's rate) allows more rows of the fan-out `step_run`
+    belongs to."""
+    fanout_pump(run=step_run.run, index=step_run.index, phase=step_run.phase)
 
 
 def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
@@ -300,11 +311,21 @@ def fanout_summary(run: JobRun, index: int) -> tuple[Counter, Counter]:
 
 @row_ended(FANOUT)
 def fanout_row_ended(step_run: StepRun) -> None:
-    fanout_progress(run=step_run.run, index=step_run.index)
+    run, index = step_run.run, step_run.index
+    if fanout_progress(run=run, index=index):
+        return
+    # The run moved on. Rolling back, it waited for this step's rows at work to end (their
+    # outcome says whether they are undone): the last one lets the rollback go on.
+    if (
+        JobRun.objects.filter(pk=run.pk, status=RunStatus.COMPENSATING).exists()
+        and not _rows(run, index).filter(status__in=ACTIVE).exists()
+    ):
+        compensation_next(run=run)
 
 
-def fanout_progress(*, run: JobRun, index: int) -> None:
-    """A device's row ended for good: abort, pump more, or decide the step.
+def fanout_progress(*, run: JobRun, index: int) -> bool:
+    """A device's row ended for good: abort, pump more, or decide the step; False when the
+    run is no longer running at this step (nothing done).
 
     Under the run's row lock (SQLite: its write lock), so of two workers whose rows ended
     together, one decides and the other finds the run moved on and does nothing.
@@ -312,8 +333,9 @@ def fanout_progress(*, run: JobRun, index: int) -> None:
     with transaction.atomic():
         locked = JobRun.objects.select_for_update().filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index)
         if not locked.exists():
-            return
+            return False
         _fanout_decide(run=run, index=index)
+    return True
 
 
 def _fanout_decide(*, run: JobRun, index: int) -> None:

@@ -4,7 +4,8 @@ Each kind declares what it does with a decorator beside its own definition (Zuli
 `@assign_queue`): `@step_kind(StepKind.DELAY)` on the function that starts a delay step,
 `@row_ended(Phase.COMPENSATION)`, `@failure_policy(OnFailure.ROLLBACK)`,
 `@attempt_sender(StepKind.TASK)`, `@row_deadline(StepKind.DELAY)`,
-`@row_resume(StepKind.WAIT_ONLINE)`, `@deadline_handler("queue")`, `@run_deadline("run")`.
+`@row_resume(StepKind.WAIT_ONLINE)`, `@deadline_handler("queue")`, `@run_deadline("run")`,
+`@step_compensation(FANOUT)`.
 The generic code asks here (`spec_behaviour`, `row_behaviour`, `row_ended_handler`, …)
 instead of testing a kind.
 
@@ -41,6 +42,7 @@ FailurePolicy = Callable[[JobRun, str], None]  # (run, reason)
 AttemptSender = Callable[..., bool]  # (step_run=...) -> sent
 DeadlineHandler = Callable[[StepRun, Any], None]  # (step_run, deadlines.Deadline)
 RunDeadlineHandler = Callable[[str], None]  # (run id)
+StepCompensation = Callable[[JobRun, int], bool]  # (run, index) -> still at work on that step
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -76,6 +78,7 @@ class KindRegistry:
     row_resumers: dict[str, RowResume] = field(default_factory=dict)
     deadline_handlers: dict[str, DeadlineHandler] = field(default_factory=dict)
     run_deadlines: dict[str, RunDeadlineHandler] = field(default_factory=dict)
+    compensations: dict[str, StepCompensation] = field(default_factory=dict)
     doubled: list[str] = field(default_factory=list)
 
     def add(self, table: str, key: str, value: Any) -> None:
@@ -99,6 +102,7 @@ TABLES = (
     "row_resumers",
     "deadline_handlers",
     "run_deadlines",
+    "compensations",
 )
 REGISTRY = KindRegistry()
 
@@ -159,6 +163,12 @@ def run_deadline(kind: str) -> Callable[[F], F]:
     return _registering("run_deadlines", kind)
 
 
+def step_compensation(kind: str) -> Callable[[F], F]:
+    """Decorates how a rollback undoes a step of `kind` when it is not one compensation row
+    on the step's device (jobs/engine/rollback.py): a fan-out undoes it on each device."""
+    return _registering("compensations", kind)
+
+
 def spec_behaviour(spec: dict[str, Any]) -> StepKindBehaviour:
     """The behaviour of the step kind a plan entry starts as."""
     return REGISTRY.step_kinds[spec_kind(spec)]
@@ -197,6 +207,11 @@ def row_ended_handler(step_run: StepRun) -> RowEnded | None:
     return REGISTRY.row_ended.get(spec_kind(step_run.run.plan[step_run.index]))
 
 
+def step_compensation_handler(spec: dict[str, Any]) -> StepCompensation | None:
+    """How a rollback undoes the step a plan entry starts as, or None: one compensation row."""
+    return REGISTRY.compensations.get(spec_kind(spec))
+
+
 def failure_policy_handler(policy: str) -> FailurePolicy | None:
     """What a step's failure does under `policy`, or None for abort and continue."""
     return REGISTRY.failure_policies.get(policy)
@@ -218,6 +233,7 @@ def kinds_expected() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         "row_resumers": ((), steps),
         "deadline_handlers": (step_deadlines, step_deadlines),
         "run_deadlines": (RUN_KINDS, RUN_KINDS),
+        "compensations": ((), steps),  # one compensation row by default
     }
 
 

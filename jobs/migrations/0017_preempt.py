@@ -2,6 +2,19 @@
 
 from django.db import migrations, models
 
+# Written into the recorded versions' steps too, so a template whose steps did not change
+# records no new version on its next run merely because its latest version predates the
+# field (as 0012_rollout_by_cause does).
+STEP_DEFAULTS = {"urgent": False}
+
+
+def versions_fill(apps, schema_editor):
+    TemplateVersion = apps.get_model("jobs", "TemplateVersion")
+    for version in TemplateVersion.objects.all().iterator():
+        steps = [{**STEP_DEFAULTS, **step} for step in version.steps]
+        if steps != version.steps:
+            TemplateVersion.objects.filter(pk=version.pk).update(steps=steps)
+
 
 class Migration(migrations.Migration):
 
@@ -15,4 +28,5 @@ class Migration(migrations.Migration):
             name='urgent',
             field=models.BooleanField(default=False, help_text="An urgent step of a run at or above the deployment's IOTQUEUE_PREEMPT_PRIORITY takes a busy device from a lower-priority run: that command is canceled on the device and queued again.", verbose_name='urgent'),
         ),
+        migrations.RunPython(versions_fill, migrations.RunPython.noop),
     ]

@@ -152,6 +152,7 @@ STEP_DEFAULTS = {
     "rollout_increment_every": 0,
     "rollout_increment_on": "succeeded",
     "rollout_max_per_minute": 0,
+    "compensation_per_minute": 0,
     "success_percent": 100,
 }
 

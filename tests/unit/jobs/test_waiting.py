@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from devices.locks import LockState
 from devices.models import Device
 from jobs.engine.plan import step_holder
-from jobs.models import JobRun, StepKind, StepRun, StepStatus
+from jobs.models import JobRun, Phase, StepKind, StepRun, StepStatus
 from jobs.waiting import REASONS, WaitFacts, Waiting, row_waiting, run_current_row
 
 NOW = datetime(2026, 11, 26, 14, 10, 0, tzinfo=UTC)
@@ -69,7 +69,7 @@ def test_a_device_without_presence_tracking_is_never_offline():
 def test_a_fanout_device_waits_for_max_in_flight_then_for_the_rate():
     spec = {**SPEC, "labels": {"kind": "pump"}, "max_in_flight": 2, "rollout_per_minute": 10}
     row = a_row(StepStatus.PENDING, spec=spec)
-    key = (row.run_id, 0)
+    key = (row.run_id, Phase.FORWARD, 0)
     next_start = NOW + timedelta(seconds=6)
 
     full = row_waiting(row, WaitFacts(fanouts={key: (2, row.pk)}), NOW)
@@ -77,6 +77,23 @@ def test_a_fanout_device_waits_for_max_in_flight_then_for_the_rate():
 
     assert full.reason == "rollout_in_flight"
     assert (paced.reason, paced.until) == ("rollout_rate", next_start)
+
+
+def test_a_rolled_back_fanout_device_waits_for_the_rollbacks_own_rate():
+    # given a fan-out's compensation row not started yet, its rollback paced at 2 a minute
+    spec = {**SPEC, "labels": {"kind": "gw"}, "compensation_action": "undo", "compensation_per_minute": 2}
+    row = a_row(StepStatus.PENDING, spec=spec, phase=Phase.COMPENSATION)
+    next_start = NOW + timedelta(seconds=40)
+    # the forward rows' counts are another key: they do not answer for it
+    facts = WaitFacts(
+        fanouts={(row.run_id, Phase.COMPENSATION, 0): (2, row.pk), (row.run_id, Phase.FORWARD, 0): (0, None)},
+        due={f"pump:{row.pk}:0": next_start},
+    )
+
+    waiting = row_waiting(row, facts, NOW)
+
+    assert (waiting.reason, waiting.until) == ("rollout_rate", next_start)
+    assert waiting.message.startswith("Rollback rate")
 
 
 def test_delay_backoff_working_and_task_steps_say_until_when():

@@ -9,6 +9,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from jobs.apps import KIND_MODULES, kinds_load
 from jobs.engine import kinds
+from jobs.engine.plan import FANOUT
 from jobs.models import JobRun, OnFailure, Phase, StepKind, StepRun
 
 
@@ -139,9 +140,16 @@ def test_every_due_deadline_of_a_delay_row_ends_it_and_only_a_delays():
     assert set(kinds.REGISTRY.row_deadlines) == {StepKind.DELAY}
 
 
-def test_delays_and_fanouts_have_no_compensation():
+def test_only_delays_have_no_compensation():
     compensable = {kind for kind, behaviour in kinds.REGISTRY.step_kinds.items() if behaviour.compensable}
-    assert compensable == {StepKind.COMMAND, StepKind.WAIT_ONLINE, StepKind.TASK}
+    assert compensable == {StepKind.COMMAND, StepKind.WAIT_ONLINE, StepKind.TASK, FANOUT}
+
+
+def test_a_fanout_is_undone_per_device_and_the_other_kinds_by_one_row():
+    # given the rollback's handlers by kind: only the fan-out declares its own
+    assert set(kinds.REGISTRY.compensations) == {FANOUT}
+    assert kinds.step_compensation_handler({"labels": {"kind": "gw"}}).__name__ == "fanout_compensate"
+    assert kinds.step_compensation_handler({"device": "gw-1"}) is None
 
 
 def test_only_the_rollback_policy_is_declared_beside_abort_and_continue():
