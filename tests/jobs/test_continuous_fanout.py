@@ -2,13 +2,17 @@
 it (created through REST, relabelled through REST), once each; it closes by hand through
 REST or at its end-by, and then the success criterion decides the step and the run."""
 
+import io
 import uuid
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from devtools.simulator import DeviceBehaviour
 from jobs.models import ContinuousFanout, JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
+from jobs.waiting import runs_waiting
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobStepFactory
 
@@ -43,8 +47,10 @@ def test_devices_that_come_to_match_an_open_fanout_get_the_step_once_and_closing
     run, _ = run_start(template=step.template)
     wait_for(lambda: succeeded_on(run, first.name), what="the first gateway's row succeeded")
     assert ContinuousFanout.objects.get(run=run, index=0).is_open
-    # and stays open: its step does not end when its rows have
+    # and stays open: its step does not end when its rows have; the run says why it waits
     assert RunEvent.objects.filter(run=run, kind="step.fanout_opened").exists()
+    run.refresh_from_db()
+    assert runs_waiting([run])[run.pk].reason == "fanout_open"
 
     # when a gateway installed meanwhile is created through REST, matching
     installed = f"{site}-gw-new"
@@ -106,3 +112,36 @@ def test_an_open_fanout_closes_at_its_end_by_even_with_no_device_yet(stack):
     assert opened.closed_by == ""
     closing = RunEvent.objects.get(run=run, kind="step.fanout_closed")
     assert closing.data["by"] is None and "end-by" in closing.message
+
+
+def test_the_run_page_shows_an_open_fanout_and_closes_it_and_so_does_the_cli(stack, admin_client):
+    # given two runs whose continuous fan-outs are open, closed by hand only
+    runs = []
+    for _ in range(2):
+        step = JobStepFactory(
+            device=None, selector=f"site=later-{uuid.uuid4().hex[:6]}", action=ACTION, continuous=True
+        )
+        run, _ = run_start(template=step.template)
+        runs.append(run)
+    for run in runs:
+        wait_for(lambda run=run: ContinuousFanout.objects.filter(run=run).exists(), what="the fan-out open")
+    by_page, by_cli = runs
+
+    # when the run page is shown, it says so and offers to close it
+    page = admin_client.get(f"/admin/jobs/jobrun/{by_page.pk}/change/").content.decode()
+    assert "open until closed by hand" in page and "Close fan-out" in page
+    # and its Close button (the runs list's action) closes it
+    admin_client.post(
+        "/admin/jobs/jobrun/", {"action": "close_fanouts", "_selected_action": [str(by_page.pk)]}
+    )
+    # and the command line closes the other
+    out = io.StringIO()
+    call_command("fanout_close", str(by_cli.pk)[:8], "--by", "ops", stdout=out)
+    assert "closed" in out.getvalue()
+
+    # then both runs end, each recording who closed it; nothing is open any more
+    for run, who in ((by_page, "admin"), (by_cli, "ops")):
+        assert wait_for(lambda run=run: finished(run), timeout=30).status == RunStatus.SUCCEEDED
+        assert RunEvent.objects.get(run=run, kind="step.fanout_closed").data["by"] == who
+    with pytest.raises(CommandError, match="no open continuous fan-out"):
+        call_command("fanout_close", str(by_cli.pk), stdout=io.StringIO())
