@@ -17,12 +17,14 @@ and does nothing more while no continuous fan-out is open.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
 from celery import current_app
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from devices.models import Device
@@ -35,6 +37,8 @@ from ..models import ContinuousFanout, JobRun, Phase, RunStatus, StepRun, StepSt
 from .fanout import fanout_progress, fanout_pump
 from .kinds import run_deadline
 from .plan import step_args
+
+log = logging.getLogger(__name__)
 
 # The task that lets open continuous fan-outs look at changed devices (jobs/tasks.py).
 JOIN_TASK = "jobs.fanout_join"
@@ -77,8 +81,13 @@ def device_changes_noticed(device_ids: Iterable[int]) -> None:
         return
 
     def send() -> None:
-        if fanouts_open_any():
-            current_app.signature(JOIN_TASK, args=(ids,)).apply_async()
+        # After the commit of a device edit (a web request): a broker or database failure
+        # here is logged, never raised into a response whose change was already committed.
+        try:
+            if fanouts_open_any():
+                current_app.signature(JOIN_TASK, args=(ids,)).apply_async()
+        except Exception:
+            log.exception("devices %s were not looked at by the open continuous fan-outs", ids[:20])
 
     transaction.on_commit(send)
 
@@ -130,9 +139,22 @@ def fanouts_join(device_ids: list[int]) -> int:
                 enabled=device.enabled,
             )
         ]
+        # Devices back online that have their row already (the common case) take no lock.
+        kept = _rows_kept(run, fanout.index, matching)
+        matching = [device for device in matching if device.pk not in kept]
         if matching:
             joined += fanout_devices_add(run=run, index=fanout.index, devices=matching)
     return joined
+
+
+def _rows_kept(run: JobRun, index: int, devices: list[Device]) -> set[int]:
+    """The devices among these whose row of the step stays as it is (all but a row that timed
+    out in its queue, unsent): one query, outside the run's lock."""
+    if not devices:
+        return set()
+    rows = StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=index, device__in=devices)
+    unsent = Q(status=StepStatus.TIMED_OUT, dispatched_at=None)
+    return set(rows.exclude(unsent).values_list("device_id", flat=True))
 
 
 def fanouts_join_names(names: list[str]) -> int:

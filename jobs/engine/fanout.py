@@ -167,8 +167,12 @@ def fanout_start(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none."""
     spec = run.plan[index]
     # Started before (a redelivered task; a continuous one may have no row yet): just pump.
-    opened = spec.get("continuous") and ContinuousFanout.objects.filter(run=run, index=index).exists()
-    if opened or _rows(run, index).exists():
+    if spec.get("continuous") and ContinuousFanout.objects.filter(run=run, index=index).exists():
+        fanout_pump(run=run, index=index)
+        return
+    if _rows(run, index).exists():  # a redelivered task, or a retry's carried-over rows
+        if spec.get("continuous"):
+            fanout_open(run=run, index=index)
         fanout_pump(run=run, index=index)
         return
     target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")

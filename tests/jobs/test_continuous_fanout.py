@@ -145,3 +145,31 @@ def test_the_run_page_shows_an_open_fanout_and_closes_it_and_so_does_the_cli(sta
         assert RunEvent.objects.get(run=run, kind="step.fanout_closed").data["by"] == who
     with pytest.raises(CommandError, match="no open continuous fan-out"):
         call_command("fanout_close", str(by_cli.pk), stdout=io.StringIO())
+
+
+def test_a_device_back_online_after_its_row_timed_out_in_the_queue_gets_a_new_try(
+    stack, simulator, admin_api
+):
+    # given a matching gateway that is offline when the open fan-out starts, with a short queue timeout
+    site = f"store-{uuid.uuid4().hex[:6]}"
+    late = DeviceFactory(name=f"{site}-gw-late", labels={"site": site}, online=False)
+    step = JobStepFactory(
+        device=None, selector=f"site={site}", action=ACTION, continuous=True, queue_timeout_seconds=1
+    )
+    run, _ = run_start(template=step.template)
+    row = StepRun.objects.filter(run=run, device=late)
+    wait_for(lambda: row.filter(status=StepStatus.TIMED_OUT).exists(), what="its row timed out in the queue")
+    assert finished(run) is None  # the fan-out is open: its step is not decided
+
+    # when the gateway comes online while the fan-out is open
+    sim = simulator({late.name: DeviceBehaviour()})
+
+    # then its row is queued again and the command goes out once
+    wait_for(lambda: succeeded_on(run, late.name), what="the late gateway's row succeeded")
+    assert [c["action"] for c in sim.received(late.name)] == [ACTION]
+    joined = RunEvent.objects.get(run=run, kind="step.fanout_joined")
+    assert joined.data["devices"] == [late.name] and "back online" in joined.message
+    assert (
+        admin_api.post(f"/api/runs/{run.pk}/fanout/close/", {"step": "0"}, format="json").status_code == 200
+    )
+    assert wait_for(lambda: finished(run), timeout=30).status == RunStatus.SUCCEEDED
