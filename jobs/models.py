@@ -17,6 +17,7 @@ from iotqueue.names import url_name_validator
 from .choices import (
     DEFAULT_MAX_EXTEND_SECONDS,
     MAX_INCREMENT_FACTOR,
+    OPEN_SECONDS_MAX,
     OnFailure,
     RolloutIncrementOn,
     StepKind,
@@ -222,6 +223,7 @@ class JobStep(models.Model):
         _("open seconds"),
         null=True,
         blank=True,
+        validators=[MaxValueValidator(OPEN_SECONDS_MAX)],
         help_text=_("A continuous fan-out closes this long after it started; empty = only by hand."),
     )
 

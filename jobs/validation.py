@@ -19,7 +19,7 @@ from devices.protocol import ACTION_RE, EXTEND_SECONDS_LIMIT
 from devices.selectors import selector_parse
 
 from . import templating
-from .choices import MAX_INCREMENT_FACTOR, AbortCause, StepKind
+from .choices import MAX_INCREMENT_FACTOR, OPEN_SECONDS_MAX, AbortCause, StepKind
 from .tasksteps import step_task_registered
 
 # What an args reference may start with.
@@ -207,8 +207,10 @@ def continuous_errors(step) -> dict[str, str]:
         errors["continuous"] = _("Only a command step that fans out (group, labels or selector) stays open.")
     if getattr(step, "open_seconds", None) is not None and not continuous:
         errors["open_seconds"] = _("open_seconds is the end-by of a continuous fan-out: set continuous too.")
-    elif getattr(step, "open_seconds", None) == 0:
-        errors["open_seconds"] = _("Give at least 1 second, or leave it empty to close it by hand.")
+    elif getattr(step, "open_seconds", None) is not None and not 1 <= step.open_seconds <= OPEN_SECONDS_MAX:
+        errors["open_seconds"] = _("Give 1 to %(max)d seconds, or leave it empty to close it by hand.") % {
+            "max": OPEN_SECONDS_MAX
+        }
     return errors
 
 

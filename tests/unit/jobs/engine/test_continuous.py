@@ -167,4 +167,5 @@ def test_only_a_fanned_out_command_may_be_continuous():
 def test_open_seconds_is_the_end_by_of_a_continuous_fanout_only():
     assert "open_seconds" in step_errors(step(selector="site=berlin", open_seconds=60))
     assert "open_seconds" in step_errors(step(selector="site=berlin", continuous=True, open_seconds=0))
+    assert "open_seconds" in step_errors(step(selector="site=berlin", continuous=True, open_seconds=10**9))
     assert "open_seconds" not in step_errors(step(selector="site=berlin", continuous=True))
