@@ -326,7 +326,11 @@ class JobRunAdmin(admin.ModelAdmin):
                 show_save_and_continue=False,
                 can_cancel=not obj.is_terminal and self.has_change_permission(request, obj),
                 can_retry=obj.status in RETRYABLE and self.has_retry_permission(request),
-                open_fanouts=list(obj.continuous_fanouts.filter(closed_at=None).order_by("index")),
+                open_fanouts=(
+                    list(obj.continuous_fanouts.filter(closed_at=None).order_by("index"))
+                    if obj.status == RunStatus.RUNNING
+                    else []
+                ),
                 can_close_fanout=self.has_change_permission(request, obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
