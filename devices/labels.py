@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from django.db import transaction
 from django.db.models import QuerySet
+from django.dispatch import Signal
 
 from .models import Device
+
+# Sent (with device_ids=[...]) in the transaction of a bulk label edit, naming the devices
+# whose labels changed: bulk_update sends no save signal, and the jobs app's continuous
+# fan-outs look for devices that came to match them.
+devices_labels_changed = Signal()
 
 
 def device_labels_update(
@@ -26,4 +32,6 @@ def device_labels_update(
                 device.labels = labels
                 changed.append(device)
         Device.objects.bulk_update(changed, ["labels"])
+        if changed:
+            devices_labels_changed.send(sender=Device, device_ids=[device.pk for device in changed])
     return sorted(device.name for device in changed)

@@ -30,11 +30,13 @@ from iotqueue.pagination import Pagination
 
 from .api_docs import run_preview_schema, run_start_schema, template_create_schema
 from .cancel import canvas_cancel, lock_force_release, run_cancel
+from .engine.continuous import fanout_close, plan_step_index
 from .models import JobRun, JobTemplate, RunStatus, StepRun
 from .preview import run_preview
 from .retry import RetryError, run_retry
 from .serializers import (
     DeviceLockSerializer,
+    FanoutCloseSerializer,
     RunDetailSerializer,
     RunEventSerializer,
     RunPreviewSerializer,
@@ -96,7 +98,7 @@ def _datetime_param(name: str, value: str) -> datetime:
 
 
 # Actions on one run (POST /api/runs/<id>/<action>/); they check their own permission.
-RUN_ACTIONS = ("cancel", "retry")
+RUN_ACTIONS = ("cancel", "retry", "fanout_close")
 RUN_VIEW_PERMISSION = "jobs.view_jobrun"
 
 
@@ -184,6 +186,36 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             )
         run.refresh_from_db()
         return Response(RunSerializer(run, context={"request": request}).data)
+
+    @extend_schema(
+        request=FanoutCloseSerializer,
+        responses={
+            200: RunDetailSerializer,
+            400: OpenApiResponse(description="`step` names no fan-out step of the run."),
+            409: OpenApiResponse(description="The run has no open continuous fan-out (at that step)."),
+        },
+    )
+    @action(detail=True, methods=["post"], url_path="fanout/close", permission_classes=[IsAuthenticated])
+    def fanout_close(self, request, pk=None):
+        """Close the run's open continuous fan-out (or the one at `step`): no device joins it
+        any more, and once its rows have ended its success criterion decides the step. The
+        timeline records who closed it. 409 when none is open; needs change_jobrun."""
+        run = self.get_object()
+        if not request.user.has_perm("jobs.change_jobrun"):
+            self.permission_denied(request, message=_("You may not close fan-outs."))
+        serializer = FanoutCloseSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        index = None
+        if serializer.validated_data.get("step"):
+            index = plan_step_index(run.plan, serializer.validated_data["step"])
+            if index is None:
+                raise ValidationError({"step": [_("The run has no such step.")]})
+        if fanout_close(run=run, index=index, by=request.user.username) is None:
+            return Response(
+                {"detail": _("The run has no open continuous fan-out.")}, status=status.HTTP_409_CONFLICT
+            )
+        run = self.get_queryset().get(pk=run.pk)
+        return Response(RunDetailSerializer(run, context={"request": request}).data)
 
     @extend_schema(responses=RunEventSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=Pagination)

@@ -10,6 +10,7 @@ KIND_MODULES = (
     "jobs.engine.command",  # command
     "jobs.engine.waits",  # delay, wait_online (and its resume on presence); the `wake` deadline
     "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
+    "jobs.engine.continuous",  # the `fanout_close` deadline (a continuous fan-out's end-by)
     "jobs.engine.taskstep",  # task
     "jobs.engine.rollback",  # the rollback policy and its compensation rows
     "jobs.engine.fanout_rollback",  # a fan-out's rollback: a compensation row per device
@@ -65,6 +66,8 @@ class JobsConfig(AppConfig):
         # /metrics reports runs, steps, the fleet, stuck runs, the inbox and the beat lease as they stand.
         gauges.gauges_register()
         devices_presence_changed.connect(_presence_changed, dispatch_uid="jobs.presence")
+        # Devices that come to match an open continuous fan-out join it (jobs/engine/continuous.py).
+        continuous_hooks_connect()
         # A canvas command's run ending sends its Celery canvas on (jobs/canvas.py).
         run_ended.connect(canvas.run_ended, dispatch_uid="jobs.canvas")
         # The monitor tick and retention, fired by beat (jobs/beat.py).
@@ -93,6 +96,23 @@ def kinds_load() -> None:
     for module in KIND_MODULES:
         import_module(module)
     kinds_check()
+
+
+def continuous_hooks_connect() -> None:
+    """Device saves, group changes and bulk label edits tell open continuous fan-outs
+    (after the commit, and only while one is open: jobs/engine/continuous.py)."""
+    from django.db.models.signals import m2m_changed, post_save
+
+    from devices.labels import devices_labels_changed
+    from devices.models import Device
+
+    from .engine import continuous
+
+    post_save.connect(continuous.device_saved, sender=Device, dispatch_uid="jobs.continuous.saved")
+    m2m_changed.connect(
+        continuous.device_groups_changed, sender=Device.groups.through, dispatch_uid="jobs.continuous.groups"
+    )
+    devices_labels_changed.connect(continuous.devices_relabelled, dispatch_uid="jobs.continuous.labels")
 
 
 # The task that lets runs react to devices' presence (jobs/tasks.py), by name.

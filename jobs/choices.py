@@ -41,3 +41,6 @@ DEFAULT_MAX_EXTEND_SECONDS = 3600
 # The largest rollout increment factor: AWS IoT Jobs' exponentialRate allows 1.1 to 5; past
 # that a ramp reaches any fleet size within a couple of step-ups and is no ramp at all.
 MAX_INCREMENT_FACTOR = 5.0
+# A continuous fan-out's longest end-by: a year covers any rollout; a larger number is a typo
+# (and, near the integer column's limit, past what a date can hold).
+OPEN_SECONDS_MAX = 366 * 24 * 3600

@@ -6,7 +6,8 @@ answer in time), `retry` (back-off over: queue again), `send` (the command was c
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
 rate allows starting more devices; the member names a row of the fan-out not yet started),
-`run` (a run's max_duration is over; the member names the run by its UUID, not a step row).
+`run` (a run's max_duration is over; the member names the run by its UUID, not a step row),
+`fanout_close` (a continuous fan-out's end-by: the member names the run, its attempt the step).
 
 The set is sharded like the device locks (devices/locks.py) and lives with them (on
 LOCK_REDIS_URL's Redis): a deadline of a step on a device (`DEVICE_KINDS`) is in its
@@ -36,9 +37,11 @@ from redis.commands.core import Script
 from devices.locks import fair_shares, lock_shard, lock_shards, scripts_call, shard_key
 from iotqueue.redis_conn import lock_redis_connection, redis_key
 
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run")
+# A continuous fan-out's end-by: the member names its run (UUID) and, as its attempt, the step.
+FANOUT_CLOSE = "fanout_close"
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run", FANOUT_CLOSE)
 # Kinds whose member names a run (its UUID) instead of a step row.
-RUN_KINDS = ("run",)
+RUN_KINDS = ("run", FANOUT_CLOSE)
 # Kinds kept in the shard of the step's device (the lock scripts write some of them).
 DEVICE_KINDS = ("queue", "ack", "done", "retry", "send", "dispatch")
 

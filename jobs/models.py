@@ -17,6 +17,7 @@ from iotqueue.names import url_name_validator
 from .choices import (
     DEFAULT_MAX_EXTEND_SECONDS,
     MAX_INCREMENT_FACTOR,
+    OPEN_SECONDS_MAX,
     OnFailure,
     RolloutIncrementOn,
     StepKind,
@@ -227,6 +228,22 @@ class JobStep(models.Model):
             "Fan-out rolled back (on_failure rollback): devices whose compensation starts per "
             "minute; 0 = no limit."
         ),
+    )
+    # Continuous fan-out: the step stays open for devices that come to match it.
+    continuous = models.BooleanField(
+        _("continuous"),
+        default=False,
+        help_text=_(
+            "Keep the fan-out open: devices that come to match it (or come back online) while "
+            "it is open get the step too, once each; it closes after open seconds or by hand."
+        ),
+    )
+    open_seconds = models.PositiveIntegerField(
+        _("open seconds"),
+        null=True,
+        blank=True,
+        validators=[MaxValueValidator(OPEN_SECONDS_MAX)],
+        help_text=_("A continuous fan-out closes this long after it started; empty = only by hand."),
     )
 
     class Meta:
@@ -596,3 +613,40 @@ class CanvasLink(models.Model):
 
     def __str__(self) -> str:
         return f"canvas link {self.task_id}"
+
+
+class ContinuousFanout(models.Model):
+    """A continuous fan-out step of a run while it is open, and how it closed.
+
+    Open while `closed_at` is empty: devices that come to match the step's target then get
+    a row too (jobs/engine/continuous.py). At most one per step; the row stays as a record.
+    """
+
+    run = models.ForeignKey(
+        JobRun, on_delete=models.CASCADE, related_name="continuous_fanouts", verbose_name=_("run")
+    )
+    index = models.PositiveSmallIntegerField(_("index"))
+    opened_at = models.DateTimeField(_("opened at"), auto_now_add=True)
+    closes_at = models.DateTimeField(
+        _("closes at"), null=True, blank=True, help_text=_("Its end-by; empty: it is closed by hand.")
+    )
+    closed_at = models.DateTimeField(_("closed at"), null=True, blank=True)
+    closed_by = models.CharField(_("closed by"), max_length=150, blank=True)
+
+    class Meta:
+        verbose_name = _("continuous fan-out")
+        verbose_name_plural = _("continuous fan-outs")
+        constraints = [
+            models.UniqueConstraint(fields=["run", "index"], name="continuousfanout_unique_step"),
+        ]
+        indexes = [
+            # "Is any fan-out open?" is asked for every presence batch and device change.
+            models.Index(fields=["closed_at"], name="continuousfanout_closed"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{str(self.run_id)[:8]} step {self.index} ({'closed' if self.closed_at else 'open'})"
+
+    @property
+    def is_open(self) -> bool:
+        return self.closed_at is None

@@ -26,10 +26,20 @@ from iotqueue.redis_conn import redis_connection, redis_key
 
 from .deadlines import Deadline, deadlines_claim, deadlines_set
 from .engine.batch import inbox_apply, run_continue
+from .engine.continuous import fanouts_overdue_close
 from .engine.rollback import compensation_next
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
-from .models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from .models import (
+    STEP_AT_WORK,
+    STEP_TERMINAL,
+    ContinuousFanout,
+    JobRun,
+    Phase,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
 from .presence import steps_resume
 from .services import RUN_ADVANCE_TASK
 from .step_locks import DEADLINE_KIND_FOR_STATUS
@@ -115,10 +125,15 @@ def reconcile() -> int:
         run=OuterRef("pk"), index=OuterRef("cursor"), status__in=STEP_TERMINAL, finished_at__lt=now - grace
     )
     at_work = StepRun.objects.filter(run=OuterRef("pk"), index=OuterRef("cursor"), status__in=STEP_AT_WORK)
+    # An open continuous fan-out waits for devices to join, not for a lost task.
+    open_at_cursor = ContinuousFanout.objects.filter(
+        run=OuterRef("pk"), index=OuterRef("cursor"), closed_at=None
+    )
     stalled = (
         JobRun.objects.filter(status=RunStatus.RUNNING)
         .filter(Exists(ended))
         .filter(~Exists(at_work))
+        .filter(~Exists(open_at_cursor))
         .values_list("pk", "cursor")[:CLAIM_BATCH]
     )
     moved = 0
@@ -146,18 +161,23 @@ def reconcile() -> int:
     cursorless = (
         JobRun.objects.filter(status=RunStatus.RUNNING, started_at__lt=now - grace)
         .filter(~Exists(row_at_cursor))
+        .filter(~Exists(open_at_cursor))  # opened with no device yet: it has started
         .values_list("pk", flat=True)[:CLAIM_BATCH]
     )
     for run_id in cursorless:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")
+    # Continuous fan-outs past their end-by whose `fanout_close` deadline was lost.
+    closed = fanouts_overdue_close(before=now - grace)
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
-    if overdue or unstarted or moved or expired:
+    if overdue or unstarted or moved or expired or closed:
         log.warning(
-            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d runs past max_duration",
+            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d runs past max_duration, "
+            "%d continuous fan-outs past their end-by",
             len(overdue),
             len(unstarted),
             moved,
             len(expired),
+            closed,
         )
-    return len(overdue) + len(unstarted) + moved + len(expired)
+    return len(overdue) + len(unstarted) + moved + len(expired) + closed

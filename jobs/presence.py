@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 
 from .engine.batch import rows_start
+from .engine.continuous import fanouts_join_names
 from .engine.kinds import row_resume_handler
 from .events import event_record
 from .models import STEP_IN_FLIGHT, StepRun, StepStatus
@@ -12,8 +13,12 @@ from .models import STEP_IN_FLIGHT, StepRun, StepStatus
 
 def devices_presence(changes: list[list]) -> None:
     """Devices whose presence changed ([[name, online], ...], one presence group of the bridge's):
-    those back online resume their waiting steps, those gone offline have a dropout recorded."""
-    devices_online([name for name, online in changes if online])
+    those back online resume their waiting steps and join the open continuous fan-outs that
+    target them (one query for the batch while none is open), those gone offline have a
+    dropout recorded."""
+    back = [name for name, online in changes if online]
+    devices_online(back)
+    fanouts_join_names(back)
     devices_offline([name for name, online in changes if not online])
 
 

@@ -201,7 +201,7 @@ def _step_targets(spec: dict[str, Any], parameters: dict[str, Any]) -> tuple[lis
             return [], [_("the selector does not parse: %(problem)s") % {"problem": exc}]
         enabled = sum(device.enabled for device in devices)
         limit = settings.IOTQUEUE_FANOUT_MAX_DEVICES
-        if not enabled:
+        if not enabled and not spec.get("continuous"):  # a continuous one waits for devices to join
             return devices, [_("no enabled device matches %(target)s") % {"target": plan_step_target(spec)}]
         if enabled > limit:
             problem = _("%(count)d devices match, more than IOTQUEUE_FANOUT_MAX_DEVICES (%(limit)d)")
@@ -238,6 +238,7 @@ def _step_preview(
         "devices": _devices_summary(devices, enabled),
         "flow_control": _flow_control(enabled),
         "rollout": _rollout(spec) if kind == FANOUT else None,
+        "continuous": _continuous(spec) if kind == FANOUT else None,
         "problems": problems,
         "estimate": _step_estimate(spec, kind, enabled, failing=bool(problems)),
     }
@@ -298,6 +299,20 @@ def _rollout(spec: dict[str, Any]) -> dict[str, Any]:
     return {name: spec.get(name) for name in ROLLOUT_FIELDS}
 
 
+def _continuous(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """A continuous fan-out stays open for devices that come to match it: until when."""
+    if not spec.get("continuous"):
+        return None
+    seconds = spec.get("open_seconds")
+    if seconds:
+        note = _("continuous: devices that come to match join for %(seconds)d s after it starts") % {
+            "seconds": seconds
+        }
+    else:
+        note = _("continuous: devices that come to match join until it is closed by hand")
+    return {"open_seconds": seconds, "note": note}
+
+
 def _step_estimate(
     spec: dict[str, Any], kind: str, enabled: list[TargetDevice], *, failing: bool
 ) -> dict[str, Any]:
@@ -330,6 +345,12 @@ def _step_estimate(
     if kind == FANOUT:
         # A pump waiting for the rate's window runs at the monitor's next tick after it.
         seconds = fanout_expected_seconds(spec, rows, tick=monitor_interval())
+        if spec.get("continuous"):
+            # It ends when it closes (its rows ended by then): at its end-by, or by hand (unknown).
+            end_by = spec.get("open_seconds")
+            seconds = max(seconds, float(end_by)) if end_by and seconds is not None else None
+            method = "continuous_end_by" if end_by else "continuous_until_closed"
+            return {"seconds": seconds, "method": method, "rows_timing_out": timed_out, **base}
         return {"seconds": seconds, "method": "rollout_replay", "rows_timing_out": timed_out, **base}
     seconds = rows[0].seconds if rows else None
     return {"seconds": seconds, "method": "queue_then_typical", "rows_timing_out": timed_out, **base}

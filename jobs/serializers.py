@@ -12,7 +12,7 @@ from devices.selectors import selector_parse
 from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
 
-from .models import JobRun, JobTemplate, RunEvent, StepRun
+from .models import ContinuousFanout, JobRun, JobTemplate, RunEvent, StepRun
 from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
@@ -239,7 +239,38 @@ class RunSerializer(serializers.ModelSerializer):
 RUN_DETAIL_EVENTS = 100
 
 
+class ContinuousFanoutSerializer(serializers.ModelSerializer):
+    """A continuous fan-out step of a run: open while closed_at is null."""
+
+    index = serializers.IntegerField(help_text="The fan-out step's index in its run, from 0.")
+    closes_at = serializers.DateTimeField(
+        allow_null=True, help_text="Its end-by (open_seconds after it started); null: closed by hand only."
+    )
+    closed_at = serializers.DateTimeField(allow_null=True, help_text="When it closed; null while it is open.")
+    closed_by = serializers.CharField(help_text="Who closed it by hand; empty when its end-by closed it.")
+
+    class Meta:
+        model = ContinuousFanout
+        fields = ["index", "opened_at", "closes_at", "closed_at", "closed_by"]
+        read_only_fields = fields
+
+
+class FanoutCloseSerializer(serializers.Serializer):
+    """What `POST /api/runs/<id>/fanout/close/` closes."""
+
+    step = serializers.CharField(
+        required=False,
+        max_length=128,
+        help_text="The fan-out step, by index (from 0) or name; default: the run's open continuous fan-out.",
+    )
+
+
 class RunDetailSerializer(RunSerializer):
+    continuous_fanouts = ContinuousFanoutSerializer(
+        many=True,
+        read_only=True,
+        help_text="The run's continuous fan-out steps: open ones take devices that come to match them.",
+    )
     events = serializers.SerializerMethodField(
         help_text=f"The run's latest {RUN_DETAIL_EVENTS} events, oldest first; all of them, paged, "
         "at events_url."
@@ -250,7 +281,7 @@ class RunDetailSerializer(RunSerializer):
     )
 
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "events", "events_total", "events_url"]
+        fields = [*RunSerializer.Meta.fields, "continuous_fanouts", "events", "events_total", "events_url"]
 
     @extend_schema_field(RunEventSerializer(many=True))
     def get_events(self, run: JobRun) -> list[dict]:
@@ -320,9 +351,19 @@ class PreviewFlowControlSerializer(serializers.Serializer):
 class PreviewStepEstimateSerializer(serializers.Serializer):
     seconds = serializers.FloatField(allow_null=True, help_text="null: no estimate (the step would fail).")
     method = serializers.ChoiceField(
-        choices=["fails_at_start", "delay", "typical", "queue_then_typical", "rollout_replay"],
+        choices=[
+            "fails_at_start",
+            "delay",
+            "typical",
+            "queue_then_typical",
+            "rollout_replay",
+            "continuous_end_by",
+            "continuous_until_closed",
+        ],
         help_text="rollout_replay: the fan-out's pumps replayed with the engine's rate, ramp and "
-        "max-in-flight arithmetic; queue_then_typical: the commands ahead, then one typical duration.",
+        "max-in-flight arithmetic; queue_then_typical: the commands ahead, then one typical duration; "
+        "continuous_end_by: a continuous fan-out, the replay or its open_seconds, whichever is longer; "
+        "continuous_until_closed: one closed by hand only (no estimate).",
     )
     typical_seconds = serializers.FloatField(allow_null=True)
     typical_source = serializers.ChoiceField(
@@ -336,6 +377,14 @@ class PreviewStepEstimateSerializer(serializers.Serializer):
     )
 
 
+class PreviewContinuousSerializer(serializers.Serializer):
+    open_seconds = serializers.IntegerField(
+        allow_null=True,
+        help_text="Its end-by, from the step's start; null: it stays open until closed by hand.",
+    )
+    note = serializers.CharField(help_text="The same, for people.")
+
+
 class PreviewStepSerializer(serializers.Serializer):
     index = serializers.IntegerField()
     name = serializers.CharField()
@@ -345,6 +394,11 @@ class PreviewStepSerializer(serializers.Serializer):
     devices = PreviewDevicesSerializer()
     flow_control = PreviewFlowControlSerializer()
     rollout = serializers.DictField(allow_null=True, help_text="A fan-out's rate, ramp and abort settings.")
+    continuous = PreviewContinuousSerializer(
+        allow_null=True,
+        help_text="A continuous fan-out (devices that come to match it while it is open get the step "
+        "too); null for any other step.",
+    )
     problems = serializers.ListField(child=serializers.CharField(), help_text="What would fail the step.")
     estimate = PreviewStepEstimateSerializer()
 

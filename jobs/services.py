@@ -67,6 +67,8 @@ PLAN_FIELDS = (
     "rollout_max_per_minute",
     "success_percent",
     "compensation_per_minute",
+    "continuous",
+    "open_seconds",
 )
 
 

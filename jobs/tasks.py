@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from . import aws_requests, beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, due, taskstep
+from .engine import batch, continuous, due, taskstep
 from .engine.publish import Publications
 from .models import JobRun
 
@@ -140,6 +140,11 @@ def aws_jobs_request_task(request: dict) -> None:
 @shared_task(base=EngineTask, name="jobs.devices_presence")  # sent by jobs/apps.py, one per presence group
 def devices_presence_task(changes: list[list]) -> None:
     presence.devices_presence(changes)
+
+
+@shared_task(base=EngineTask, name=continuous.JOIN_TASK)  # sent on commit when devices changed
+def fanout_join_task(device_ids: list[int]) -> int:
+    return continuous.fanouts_join(device_ids)
 
 
 @shared_task(base=EngineTask, name="jobs.run_cancel")

@@ -19,7 +19,7 @@ from devices.protocol import ACTION_RE, EXTEND_SECONDS_LIMIT
 from devices.selectors import selector_parse
 
 from . import templating
-from .choices import MAX_INCREMENT_FACTOR, AbortCause, StepKind
+from .choices import MAX_INCREMENT_FACTOR, OPEN_SECONDS_MAX, AbortCause, StepKind
 from .tasksteps import step_task_registered
 
 # What an args reference may start with.
@@ -40,6 +40,7 @@ def step_errors(step) -> dict[str, str]:
             errors["device"] = _("A delay step has no target device.")
         if not step.delay_seconds or step.delay_seconds <= 0:
             errors["delay_seconds"] = _("A delay step needs delay_seconds > 0.")
+        errors.update(continuous_errors(step))
         return errors
     extend = getattr(step, "max_extend_seconds", 0) or 0
     if not 0 <= extend <= EXTEND_SECONDS_LIMIT:
@@ -70,6 +71,7 @@ def step_errors(step) -> dict[str, str]:
         except ValueError as exc:
             errors["selector"] = _("Not a label selector: %(problem)s.") % {"problem": exc}
     errors.update(rollout_errors(step))
+    errors.update(continuous_errors(step))
     for field in ("args", "compensation_args"):
         value = getattr(step, field)
         if not isinstance(value, dict):
@@ -192,6 +194,23 @@ def rollout_errors(step) -> dict[str, str]:
         maximum = getattr(step, "rollout_max_per_minute", 0)
         if maximum and maximum < step.rollout_per_minute:
             errors["rollout_max_per_minute"] = _("The maximum rate is at least rollout_per_minute (or 0).")
+    return errors
+
+
+def continuous_errors(step) -> dict[str, str]:
+    """A continuous fan-out: only a command fanned out to a group, labels or a selector
+    stays open; open_seconds (its end-by) only for one that does."""
+    errors: dict[str, str] = {}
+    continuous = getattr(step, "continuous", False)
+    fans_out = bool(step.group_id or step.labels or getattr(step, "selector", ""))
+    if continuous and (step.kind != StepKind.COMMAND or not fans_out):
+        errors["continuous"] = _("Only a command step that fans out (group, labels or selector) stays open.")
+    if getattr(step, "open_seconds", None) is not None and not continuous:
+        errors["open_seconds"] = _("open_seconds is the end-by of a continuous fan-out: set continuous too.")
+    elif getattr(step, "open_seconds", None) is not None and not 1 <= step.open_seconds <= OPEN_SECONDS_MAX:
+        errors["open_seconds"] = _("Give 1 to %(max)d seconds, or leave it empty to close it by hand.") % {
+            "max": OPEN_SECONDS_MAX
+        }
     return errors
 
 

@@ -34,7 +34,17 @@ from iotqueue.redis_conn import lock_redis_connection
 
 from .deadlines import Deadline, deadlines_key
 from .engine.plan import holder_step_id, spec_kind, step_holder, step_spec
-from .models import STEP_AT_WORK, STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+from .models import (
+    STEP_AT_WORK,
+    STEP_IN_FLIGHT,
+    ContinuousFanout,
+    JobRun,
+    Phase,
+    RunStatus,
+    StepKind,
+    StepRun,
+    StepStatus,
+)
 
 # Rows with something still to come: at work, or a fan-out's device not started yet.
 UNFINISHED = (StepStatus.PENDING, *STEP_AT_WORK)
@@ -59,6 +69,7 @@ REASONS = {
     "task_step": "a task step's Celery task is running",
     "device_working": "the command was sent; the device's done is awaited (up to the deadline)",
     "retry_backoff": "an attempt failed; the next one starts after the back-off",
+    "fanout_open": "a continuous fan-out whose devices ended stays open for devices to join",
 }
 
 
@@ -453,10 +464,20 @@ def _runs_told(
     active: Sequence[JobRun], current: dict[uuid.UUID, StepRun], by_row: dict[int, Waiting]
 ) -> dict[uuid.UUID, Waiting]:
     waiting = {}
+    opened = _fanouts_open([run for run in active if run.pk not in current])
     for run in active:
         row = current.get(run.pk)
         if row is not None:
             waiting[run.pk] = by_row[row.pk]
+        elif (run.pk, run.cursor) in opened:
+            until = opened[run.pk, run.cursor]
+            message = (
+                _("Continuous fan-out open until %(until)s: devices that come to match it join")
+                % {"until": timezone.localtime(until).strftime("%Y-%m-%d %H:%M:%S")}
+                if until
+                else _("Continuous fan-out open until closed by hand: devices that come to match it join")
+            )
+            waiting[run.pk] = Waiting("fanout_open", message, until=until, step=run.cursor)
         elif run.status == RunStatus.PENDING:
             waiting[run.pk] = Waiting(
                 "run_pending", _("Waiting for a worker to start the run"), since=run.created_at
@@ -466,6 +487,24 @@ def _runs_told(
                 "run_advancing", _("Moving on to step #%(step)s") % {"step": run.cursor}, step=run.cursor
             )
     return waiting
+
+
+def _fanouts_open(runs: Sequence[JobRun]) -> dict[tuple[uuid.UUID, int], datetime | None]:
+    """The open continuous fan-outs at these runs' cursors, with their end-by: one query, and
+    none when no run's current step is continuous (read from the plans)."""
+    continuous = [
+        run.pk
+        for run in runs
+        if run.status == RunStatus.RUNNING
+        and run.cursor < len(run.plan)
+        and run.plan[run.cursor].get("continuous")
+    ]
+    if not continuous:
+        return {}
+    rows = ContinuousFanout.objects.filter(run_id__in=continuous, closed_at=None)
+    return {
+        (run_id, index): until for run_id, index, until in rows.values_list("run_id", "index", "closes_at")
+    }
 
 
 def stuck_after() -> timedelta:

@@ -1,4 +1,5 @@
-"""Runs: the list, cancel and retry, and the run page with its live timeline."""
+"""Runs: the list, cancel, retry and closing a continuous fan-out, and the run page with its
+live timeline."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from redis import RedisError
 from iotqueue.moments import moment_html
 
 from ..cancel import run_cancel
+from ..engine.continuous import fanout_close
 from ..engine.plan import spec_is_fanout
 from ..models import STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, Trigger
 from ..retry import RETRYABLE, RetryError, run_retry
@@ -102,7 +104,7 @@ class JobRunAdmin(admin.ModelAdmin):
         "parameters_json",
         "plan_json",
     ]
-    actions = ["cancel_runs", "retry_runs"]
+    actions = ["cancel_runs", "retry_runs", "close_fanouts"]
 
     class Media:
         css = {"all": ["jobs/admin.css"]}
@@ -297,6 +299,18 @@ class JobRunAdmin(admin.ModelAdmin):
             return HttpResponseRedirect(run_url(retries[0].pk))
         return None
 
+    @admin.action(description=gettext_lazy("Close open continuous fan-outs"), permissions=["change"])
+    def close_fanouts(self, request, queryset):
+        runs = list(queryset)
+        closed = sum(fanout_close(run=run, by=request.user.username) is not None for run in runs)
+        done = ngettext(
+            "%(count)s continuous fan-out closed.", "%(count)s continuous fan-outs closed.", closed
+        ) % {"count": closed}
+        self.message_user(request, done, messages.SUCCESS if closed else messages.WARNING)
+        if len(runs) == 1:
+            return HttpResponseRedirect(run_url(runs[0].pk))
+        return None
+
     def get_urls(self):
         timeline = self.admin_site.admin_view(self.timeline_view)
         return [
@@ -312,6 +326,12 @@ class JobRunAdmin(admin.ModelAdmin):
                 show_save_and_continue=False,
                 can_cancel=not obj.is_terminal and self.has_change_permission(request, obj),
                 can_retry=obj.status in RETRYABLE and self.has_retry_permission(request),
+                open_fanouts=(
+                    list(obj.continuous_fanouts.filter(closed_at=None).order_by("index"))
+                    if obj.status == RunStatus.RUNNING
+                    else []
+                ),
+                can_close_fanout=self.has_change_permission(request, obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

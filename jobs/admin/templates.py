@@ -135,6 +135,7 @@ class JobStepInline(admin.StackedInline):
                     ("abort_failure_percent", "abort_min_devices", "success_percent"),
                     ("abort_criteria",),
                     ("compensation_per_minute",),
+                    ("continuous", "open_seconds"),
                 ],
             },
         ),

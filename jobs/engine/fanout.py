@@ -9,6 +9,8 @@ When a row ends, progress is evaluated: when an abort criterion trips (by cause:
 rejected, timed out, any) the pending rows are skipped and the step fails with the
 criterion and the failure breakdown; when all rows ended, the success criterion decides.
 Pumps of one fan-out are serialized by a row lock on the run (SQLite: by its write lock).
+A continuous fan-out (`continuous` on the step) stays open after its rows ended, for the
+devices that join it (jobs/engine/continuous.py), and is decided when it closes.
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ from django.utils import timezone
 
 from .. import templating
 from ..choices import AbortCause, RolloutIncrementOn
-from ..deadlines import Deadline, deadlines_set
+from ..deadlines import FANOUT_CLOSE, Deadline, deadlines_set
 from ..events import event_record
-from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..models import (
+    STEP_AT_WORK,
+    STEP_TERMINAL,
+    ContinuousFanout,
+    JobRun,
+    Phase,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
 from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, fanout_devices, step_args
@@ -156,7 +167,13 @@ def failure_reason(error: str, device: str | None) -> str:
 def fanout_start(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none."""
     spec = run.plan[index]
-    if _rows(run, index).exists():  # started before (a redelivered task): just pump
+    # Started before (a redelivered task; a continuous one may have no row yet): just pump.
+    if spec.get("continuous") and ContinuousFanout.objects.filter(run=run, index=index).exists():
+        fanout_pump(run=run, index=index)
+        return
+    if _rows(run, index).exists():  # a redelivered task, or a retry's carried-over rows
+        if spec.get("continuous"):
+            fanout_open(run=run, index=index)
         fanout_pump(run=run, index=index)
         return
     target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")
@@ -164,7 +181,8 @@ def fanout_start(run: JobRun, index: int) -> None:
         devices = fanout_devices(spec)
     except ValueError as exc:
         raise StepRefused("", f"{target}: {exc}") from None
-    if not devices:
+    # A continuous fan-out may start with no device: those that come to match it join.
+    if not devices and not spec.get("continuous"):
         raise StepRefused("", f"no enabled device matches {target}")
     limit = settings.IOTQUEUE_FANOUT_MAX_DEVICES
     if len(devices) > limit:
@@ -181,7 +199,41 @@ def fanout_start(run: JobRun, index: int) -> None:
     StepRun.objects.bulk_create(rows, ignore_conflicts=True)
     _statistics_refresh(len(rows))
     event_record("step.fanout", run=run, message=f"{spec['action']} to {len(devices)} devices", index=index)
+    if spec.get("continuous"):
+        fanout_open(run=run, index=index)
     fanout_pump(run=run, index=index)
+
+
+def fanout_open(*, run: JobRun, index: int) -> ContinuousFanout:
+    """Open a continuous fan-out: record it (what joining devices look for) and set its
+    end-by (`fanout_close` deadline, jobs/engine/continuous.py) when it has `open_seconds`."""
+    spec = run.plan[index]
+    now = timezone.now()
+    seconds = spec.get("open_seconds")
+    closes_at = now + timedelta(seconds=seconds) if seconds else None
+    opened, created = ContinuousFanout.objects.get_or_create(
+        run=run, index=index, defaults={"closes_at": closes_at}
+    )
+    if created:
+        until = f"until {closes_at:%Y-%m-%d %H:%M:%S} UTC" if closes_at else "until closed by hand"
+        event_record(
+            "step.fanout_opened",
+            run=run,
+            message=f"continuous: devices that come to match join {until}",
+            index=index,
+            closes_at=closes_at.isoformat() if closes_at else None,
+        )
+    if opened.closes_at is not None:
+        deadline = Deadline(FANOUT_CLOSE, str(run.pk), index)
+        transaction.on_commit(partial(deadlines_set, {deadline: opened.closes_at}))
+    return opened
+
+
+def fanout_is_open(run: JobRun, index: int) -> bool:
+    """Whether the step is a continuous fan-out still open (one query, only for those)."""
+    if not run.plan[index].get("continuous"):
+        return False
+    return ContinuousFanout.objects.filter(run=run, index=index, closed_at=None).exists()
 
 
 def _statistics_refresh(written: int) -> None:
@@ -356,6 +408,8 @@ def _fanout_decide(*, run: JobRun, index: int) -> None:
         return
     if rows.filter(status__in=ACTIVE).exists():
         return
+    if fanout_is_open(run, index):
+        return  # its rows ended, but devices may still join: it ends when it closes
     by_status, reasons = fanout_summary(run, index)
     total = sum(by_status.values())
     succeeded = by_status[StepStatus.SUCCEEDED]

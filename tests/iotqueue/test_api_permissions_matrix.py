@@ -43,7 +43,7 @@ def rule_body(template) -> dict:
     return {"name": "doors", "topic_filter": "site/+/door", "template": template.name}
 
 
-def test_a_read_only_user_cannot_start_cancel_retry_release_or_create(reader_api, template):
+def test_a_read_only_user_cannot_start_cancel_retry_close_release_or_create(reader_api, template):
     # given a failed run, a device and every view_ permission
     device = DeviceFactory()
     run = JobRun.objects.create(template=template, plan=template_plan(template), status=RunStatus.FAILED)
@@ -54,6 +54,7 @@ def test_a_read_only_user_cannot_start_cancel_retry_release_or_create(reader_api
         "start": reader_api.post("/api/runs/", {"template": template.name}, format="json"),
         "cancel": reader_api.post(f"/api/runs/{run.pk}/cancel/"),
         "retry": reader_api.post(f"/api/runs/{run.pk}/retry/"),
+        "close fan-out": reader_api.post(f"/api/runs/{run.pk}/fanout/close/"),
         "release": reader_api.post(f"/api/devices/{device.name}/lock/release/"),
         "template": reader_api.post("/api/templates/", template_body, format="json"),
         "schedule": reader_api.post("/api/schedules/", schedule_body(template), format="json"),

@@ -147,3 +147,25 @@ def test_a_for_each_preview_names_the_runs_and_is_refused_as_a_start_is(admin_ap
     assert refused.status_code == 400 and refused.json() == {"for_each": ["no enabled device matches"]}
     # Who may not start runs may not preview one
     assert reader_api.post("/api/runs/preview/", body, format="json").status_code == 403
+
+
+def test_a_continuous_fanout_previews_as_open_and_is_not_refused_without_devices(admin_api):
+    # Given a continuous fan-out whose selector matches no device yet, open for an hour
+    step = JobStepFactory(
+        device=None,
+        selector=f"site=later-{uuid.uuid4().hex[:6]}",
+        action="firmware/flash",
+        continuous=True,
+        open_seconds=3600,
+    )
+
+    # When previewed
+    answer = admin_api.post("/api/runs/preview/", {"template": step.template.name}, format="json").json()
+
+    # Then it says the fan-out is continuous, with nothing that would fail it, lasting its end-by
+    previewed = answer["steps"][0]
+    assert previewed["continuous"]["open_seconds"] == 3600
+    assert "continuous" in previewed["continuous"]["note"]
+    assert previewed["problems"] == [] and answer["problems"] == []
+    assert previewed["estimate"]["method"] == "continuous_end_by"
+    assert previewed["estimate"]["seconds"] == 3600
