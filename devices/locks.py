@@ -71,6 +71,9 @@ class Queued:
     # An acquire by a holder already in the queue (asking again): it kept its place, which
     # is not this acquire's to give back when the acquiring transition is undone.
     waiting: bool = field(default=False, compare=False)
+    # "<limit>=<label value>" when the caller waits for a slot of that shared concurrency
+    # limit (its device left free) instead of in the device's queue.
+    slot: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -528,7 +531,12 @@ def _slots_args(prefix: str, ops: list[dict], *, cluster: bool) -> dict[int, dic
             added[index] = {"n": needs}
         elif op["o"] == "a" and op.get("sl"):
             slots = [
-                [f"{prefix}:slot:{tag}:{limit}={value}", f"{prefix}:slotq:{tag}:{limit}={value}", most]
+                [
+                    f"{prefix}:slot:{tag}:{limit}={value}",
+                    f"{prefix}:slotq:{tag}:{limit}={value}",
+                    most,
+                    f"{limit}={value}",
+                ]
                 for limit, value, most in op["sl"]
             ]
             added[index] = {"n": needs, "sq": f"{prefix}:slot-seq:{tag}", "sl": slots}
@@ -551,14 +559,49 @@ def slot_states(pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], SlotS
         return {}
     with lock_redis_connection().pipeline(transaction=False) as pipe:
         for limit, value in pairs:
-            holders, waiters = slot_keys(limit, value)
-            pipe.zrange(holders, 0, -1)
-            pipe.zrange(waiters, 0, -1)
+            slot_state_read(limit, value, pipe=pipe)
         replies = pipe.execute()
-    return {
-        (limit, value): SlotState(limit, value, list(replies[2 * i]), list(replies[2 * i + 1]))
-        for i, (limit, value) in enumerate(pairs)
-    }
+    n = SLOT_STATE_REPLIES
+    return {pair: slot_state_parse(*pair, replies[n * i : n * i + n]) for i, pair in enumerate(pairs)}
+
+
+def slot_counts(limit: str) -> dict[str, tuple[int, int]]:
+    """For each label value of `limit` with slots held or waited for: (held, waiting).
+
+    Finds the keys with SCAN (O(keys in the database): for an admin page, never for the
+    engine's hot path) and counts them in one pipeline."""
+    conn = lock_redis_connection()
+    values: set[str] = set()
+    for head in slot_keys(limit, ""):
+        # The key prefix and the limit's name are data: escape glob characters.
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
+        values |= {key[len(head) :] for key in conn.scan_iter(match=pattern, count=QUEUE_SCAN_BATCH)}
+    if not values:
+        return {}
+    ordered = sorted(values)
+    with conn.pipeline(transaction=False) as pipe:
+        for value in ordered:
+            held, waiting = slot_keys(limit, value)
+            pipe.zcard(held)
+            pipe.zcard(waiting)
+        replies = pipe.execute()
+    return {value: (replies[2 * i], replies[2 * i + 1]) for i, value in enumerate(ordered)}
+
+
+# Replies `slot_state_read` adds to a pipeline.
+SLOT_STATE_REPLIES = 2
+
+
+def slot_state_read(limit: str, value: str, *, pipe: Any) -> None:
+    """Queue the reads of a slot set's state on `pipe` (a pipeline of the lock Redis);
+    `slot_state_parse` reads its SLOT_STATE_REPLIES replies."""
+    holders, waiters = slot_keys(limit, value)
+    pipe.zrange(holders, 0, -1)
+    pipe.zrange(waiters, 0, -1)
+
+
+def slot_state_parse(limit: str, value: str, replies: Sequence[Any]) -> SlotState:
+    return SlotState(limit, value, list(replies[0]), list(replies[1]))
 
 
 def _outcome(op: dict, result: Any) -> Outcome:
@@ -567,7 +610,8 @@ def _outcome(op: dict, result: Any) -> Outcome:
         if result[0] in (1, 2):
             return Grant(op["h"], int(result[1]), held=result[0] == 2)
         if result[0] == 0:
-            return Queued(int(result[1]), waiting=len(result) > 2 and result[2] == 1)
+            slot = result[3] if len(result) > 3 else ""
+            return Queued(int(result[1]), waiting=len(result) > 2 and result[2] == 1, slot=slot)
         return NotReady()
     if kind == "r":
         return Grant(result[1], int(result[2])) if result[0] == 1 else None

@@ -31,7 +31,7 @@
 --     queue already, so undoing its transition must not take that place away), or [-1] while the shard's epoch is
 --     missing: granting then could hand a device still executing a command to a second
 --     holder, so nothing is granted until the lock state has been rebuilt (op "s").
---   release: [1, next holder, next fence] after a hand-off, [0] when the lock is now free,
+--   release: [1, next holder, next fence] after a hand-off, [0, 0, 0] when the lock is now free,
 --     [-1] when the caller no longer held it (stale: nothing changes).
 --   extend: [1] when the lease was pushed out to now + l, [0] when the caller no longer
 --     holds the lock.
@@ -43,7 +43,8 @@
 --     executing holder gets its lock back, unless the lock is held already.
 -- Shared concurrency limits (slots; the section "slots" below): an acquire may carry
 -- "n" (the slot-needs hash key), "sq" (the slot arrival counter key) and "sl": the slots
--- it needs, [[holders zset key, waiters zset key, at most]], one per (limit, label value);
+-- it needs, [[holders zset key, waiters zset key, at most, "limit=value"]], one per (limit,
+-- label value); an acquire that waits for a slot replies [0, position, waiting, "limit=value"];
 -- a release and a dequeue carry "n" when slots are in use. A release whose hand-off or
 -- freed slots granted other devices' locks appends them, [device, holder, fence, ...], as
 -- the 4th element of its reply ([0, 0, 0, extra] when it handed its own device to nobody).
@@ -140,7 +141,7 @@ local function slot_gate(need, op)
   end
   local waiting = redis.call('ZSCORE', blocked[2], op.h) and 1 or 0
   slot_wait(need, blocked, op.h)
-  return {0, redis.call('ZRANK', blocked[2], op.h) + 1, waiting}
+  return {0, redis.call('ZRANK', blocked[2], op.h) + 1, waiting, blocked[4]}
 end
 
 -- The releasing holder gives its slots back; returns the slot sets it freed.

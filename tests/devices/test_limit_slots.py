@@ -48,7 +48,7 @@ def test_n_are_granted_and_the_next_waits_with_its_device_left_free(lock_space, 
     grants = [take(f"{device}-{i}", f"step:{i}") for i in range(2)]
     assert all(isinstance(g, Grant) for g in grants)
     third = take(f"{device}-2", "step:2")
-    assert third == Queued(1)
+    assert third == Queued(1) and third.slot == "site-downloads=store-17"
     assert state().holders == ["step:0", "step:1"] and state().waiting == ["step:2"]
     # Its device is not held: a command no limit applies to takes it at once.
     assert device_lock_state(f"{device}-2").holder is None
