@@ -108,7 +108,7 @@ def test_the_admin_lists_limits_and_a_limits_page_shows_its_slots_in_use(client,
     assert "site=store-17: 1 of 1 in flight, 1 waiting" in page
 
 
-def test_the_preview_lists_the_limits_that_apply_to_a_step(settings):
+def test_the_preview_lists_the_limits_that_apply_to_a_step(settings, client):
     settings.IOTQUEUE_REDIS_KEY_PREFIX = f"limtest-{uuid.uuid4().hex[:8]}"
     tag = uuid.uuid4().hex[:6]
     for i in range(5):
@@ -131,3 +131,8 @@ def test_the_preview_lists_the_limits_that_apply_to_a_step(settings):
             "largest": {"value": "store-17", "devices": 3},
         }
     ]
+    # The admin's Preview says so too.
+    client.force_login(User.objects.create_superuser("previewer", "p@example.com", "pw"))
+    page = client.post(f"/admin/jobs/jobtemplate/{step.template.pk}/run/", {"_preview": "Preview"})
+    assert page.status_code == 200, page.text
+    assert "limit &#x27;store-downloads&#x27; (3 per site): 5 devices, 2 values" in page.text
