@@ -21,7 +21,7 @@ from devices.locks import (
 from tests.conftest import wait_for
 
 # Slots live on a single Redis only (on a cluster they are not applied).
-pytestmark = pytest.mark.parametrize("lock_space", ["redis"], indirect=True)
+single_redis = pytest.mark.parametrize("lock_space", ["redis"], indirect=True)
 
 LEASE = 30.0
 SITE = Slot("site-downloads", "store-17", 2)
@@ -44,6 +44,7 @@ def state():
     return slot_states([(SITE.limit, SITE.value)])[(SITE.limit, SITE.value)]
 
 
+@single_redis
 def test_n_are_granted_and_the_next_waits_with_its_device_left_free(lock_space, device):
     grants = [take(f"{device}-{i}", f"step:{i}") for i in range(2)]
     assert all(isinstance(g, Grant) for g in grants)
@@ -59,6 +60,7 @@ def test_n_are_granted_and_the_next_waits_with_its_device_left_free(lock_space, 
     assert state().waiting == ["step:2"]
 
 
+@single_redis
 def test_a_freed_slot_goes_by_priority_then_arrival_and_hands_the_device_on(lock_space, device):
     first = take(f"{device}-0", "step:0")
     second = take(f"{device}-1", "step:1")
@@ -81,6 +83,7 @@ def test_a_freed_slot_goes_by_priority_then_arrival_and_hands_the_device_on(lock
     assert state().waiting == [] and sorted(state().holders) == ["step:2", "step:3"]
 
 
+@single_redis
 def test_a_busy_device_queues_its_command_and_its_release_respects_the_limit(lock_space, device):
     # One device, two commands with slots: the second waits in the device's queue.
     a = take(device, "step:a")
@@ -93,6 +96,7 @@ def test_a_busy_device_queues_its_command_and_its_release_respects_the_limit(loc
     assert sorted(state().holders) == ["step:b", "step:x"]
 
 
+@single_redis
 def test_a_device_handed_on_while_the_slots_are_full_skips_to_a_command_without_limit(lock_space, device):
     first = take(f"{device}-0", "step:0")
     take(f"{device}-1", "step:1")
@@ -113,6 +117,7 @@ def test_a_device_handed_on_while_the_slots_are_full_skips_to_a_command_without_
     assert "step:d" in state().holders
 
 
+@single_redis
 def test_a_waiting_command_that_leaves_frees_its_place(lock_space, device):
     first = take(f"{device}-0", "step:0")
     take(f"{device}-1", "step:1")
@@ -124,6 +129,7 @@ def test_a_waiting_command_that_leaves_frees_its_place(lock_space, device):
     assert [g.holder for _, g in handed] == ["step:3"]
 
 
+@single_redis
 def test_a_reclaimed_lease_frees_the_slot_for_the_next_waiter(lock_space, device):
     take(f"{device}-0", "step:0", lease=0.2)
     take(f"{device}-1", "step:1")
@@ -142,6 +148,7 @@ def test_a_reclaimed_lease_frees_the_slot_for_the_next_waiter(lock_space, device
     assert sorted(state().holders) == ["step:1", "step:2"]
 
 
+@single_redis
 def test_a_force_release_frees_the_holders_slot(lock_space, device):
     take(f"{device}-0", "step:0")
     take(f"{device}-1", "step:1")
@@ -150,8 +157,30 @@ def test_a_force_release_frees_the_holders_slot(lock_space, device):
     assert [g.holder for _, g in handed] == ["step:2"]
 
 
+@single_redis
 def test_slots_of_other_label_values_do_not_count(lock_space, device):
     take(f"{device}-0", "step:0")
     take(f"{device}-1", "step:1")
     other = Slot(SITE.limit, "store-18", 2)
     assert isinstance(take(f"{device}-2", "step:2", slots=(other,)), Grant)
+
+
+@single_redis
+def test_a_command_under_two_limits_needs_a_slot_of_each(lock_space, device):
+    gateway = Slot("one-per-gateway", "gw-1", 1)
+    first = take(f"{device}-0", "step:0", slots=(SITE, gateway))
+    assert isinstance(first, Grant)
+    # The site has room, the gateway does not: it waits for the gateway's slot.
+    waiting = take(f"{device}-1", "step:1", slots=(SITE, gateway))
+    assert isinstance(waiting, Queued) and waiting.slot == "one-per-gateway=gw-1"
+    assert state().holders == ["step:0"]
+    _, handed = release(f"{device}-0", first)
+    assert [(d, g.holder) for d, g in handed] == [(f"{device}-1", "step:1")]
+    assert state().holders == ["step:1"]
+
+
+@pytest.mark.parametrize("lock_space", ["cluster"], indirect=True)
+def test_on_a_redis_cluster_slots_are_not_applied(lock_space, device):
+    # Slots live outside the device shards' hash slots: a cluster grants by the lock alone.
+    grants = [take(f"{device}-{i}", f"step:{i}", slots=(Slot("site", "s", 1),)) for i in range(2)]
+    assert all(isinstance(g, Grant) for g in grants)
