@@ -82,6 +82,11 @@ def test_a_per_site_limit_holds_across_two_concurrent_rollouts(stack, simulator)
         ]
         assert len(spans) == 8
         assert most_at_once(spans) <= LIMIT, site
+        # A freed slot was handed on in the transition that ended its holder: the next
+        # command was dispatched at that very moment (not by the monitor's later sweep).
+        ends = {end for _, end in spans}
+        handed = [start for start, _ in spans if start in ends]
+        assert handed, site
     # The engine said so when it held a command back.
     events = RunEvent.objects.filter(run__in=runs, kind="step.waiting").values_list("message", flat=True)
     assert any(f"limit {limit.name}=" in message for message in events), list(events)
