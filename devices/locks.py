@@ -80,11 +80,24 @@ class Queued:
     # An acquire by a holder already in the queue (asking again): it kept its place, which
     # is not this acquire's to give back when the acquiring transition is undone.
     waiting: bool = field(default=False, compare=False)
+    # "<limit>=<label value>" when the caller waits for a slot of that shared concurrency
+    # limit (its device left free) instead of in the device's queue.
+    slot: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
 class NotReady:
     """Redis lost the lock state (restart); nothing is granted until it is rebuilt."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One slot a command needs beside its device lock: of the shared concurrency limit
+    `limit` for label value `value`, of which at most `most` are held at once."""
+
+    limit: str
+    value: str
+    most: int
 
 
 @dataclass(frozen=True)
@@ -347,6 +360,9 @@ class LockBatch:
     ops: list[dict] = field(default_factory=list)
     # shard -> {"zadd": {member: score}, "zrem": [member]}: written whatever the outcomes
     writes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Set by `device_locks_apply`: the other devices' locks the releases' freed slots
+    # (shared concurrency limits) handed to their waiters, to be started as hand-offs.
+    handed: list[tuple[str, Grant]] = field(default_factory=list)
 
     def release(
         self,
@@ -376,10 +392,14 @@ class LockBatch:
         lease_seconds: float,
         on_grant: dict[str, float] | None = None,
         on_queue: dict[str, float] | None = None,
+        slots: Sequence[Slot] = (),
     ) -> int:
         """Acquire; `on_grant` / `on_queue` are {member: score} written, per the outcome, to
-        the device's shard of the sorted set."""
+        the device's shard of the sorted set. `slots` (shared concurrency limits) are taken
+        with the lock or not at all: while one is full the holder waits for it (Queued)."""
         op: dict[str, Any] = {"o": "a", "d": device, "h": holder, "p": priority, "l": _ms(lease_seconds)}
+        if slots:
+            op["sl"] = [[slot.limit, slot.value, slot.most] for slot in slots]
         if on_grant:
             op["g"] = [[score, member] for member, score in on_grant.items()]
         if on_queue:
@@ -486,7 +506,9 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
         raise ValueError("a LockBatch with sorted-set writes needs zset")
     # One call per shard on a cluster (one hash slot each), one call for all of them otherwise.
     conn = lock_redis_connection()
-    calls = [[shard] for shard in by_shard] if isinstance(conn, RedisCluster) else [list(by_shard)]
+    cluster = isinstance(conn, RedisCluster)
+    calls = [[shard] for shard in by_shard] if cluster else [list(by_shard)]
+    slotted = _slots_args(prefix, batch.ops, cluster=cluster)
     requests = []
     for shards in calls:
         keys: list[str] = []
@@ -504,7 +526,7 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
                 if op["o"] == "c":
                     ops.append(op)
                     continue
-                ops.append({**op, "k": len(keys) + 1})
+                ops.append({**op, **slotted.get(index, {}), "k": len(keys) + 1})
                 keys += _device_keys(prefix, tag, op["d"])
             group["ops"] = ops
             writes = batch.writes.get(shard)
@@ -525,7 +547,125 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
         for shard, group in zip(shards, json.loads(reply) or [], strict=True):
             for index, result in zip(by_shard[shard], group or [], strict=True):
                 results[index] = result
+    batch.handed = [
+        (extra[i], Grant(extra[i + 1], int(extra[i + 2])))
+        for op, result in zip(batch.ops, results, strict=True)
+        if op["o"] == "r" and len(result) > 3
+        for extra in [result[3]]
+        for i in range(0, len(extra), 3)
+    ]
     return [_outcome(op, result) for op, result in zip(batch.ops, results, strict=True)]
+
+
+# --- slots: shared concurrency limits ------------------------------------------------------
+# A limit's slots per label value live beside the locks, under a hash tag of their own
+# (`slot_tag`): a holders sorted set (holder -> since ms) and a waiters sorted set (holder ->
+# priority band, then arrival), and one needs hash for all (holder -> what it needs, read by
+# the script when it hands a device or a slot on). Those keys are outside the device shards'
+# hash slots, so slots are only used on a single Redis: on a Redis Cluster an acquire's
+# slots are left out (logged once) and the limits are not applied.
+
+_slots_cluster_logged = False
+
+
+def slot_tag() -> str:
+    return "{" + f"{settings.IOTQUEUE_REDIS_KEY_PREFIX}:slots" + "}"
+
+
+def slot_keys(limit: str, value: str) -> tuple[str, str]:
+    """The holders and the waiters sorted sets of a limit's label value."""
+    prefix, tag = settings.IOTQUEUE_REDIS_KEY_PREFIX, slot_tag()
+    return f"{prefix}:slot:{tag}:{limit}={value}", f"{prefix}:slotq:{tag}:{limit}={value}"
+
+
+def _slots_args(prefix: str, ops: list[dict], *, cluster: bool) -> dict[int, dict[str, Any]]:
+    """What each acquire, release and dequeue of a batch adds for the slots: the needs hash
+    key ("n"), and for an acquire with slots their keys ("sl") and the arrival counter ("sq")."""
+    global _slots_cluster_logged
+    if cluster:
+        if not _slots_cluster_logged and any("sl" in op for op in ops):
+            log.warning("shared concurrency limits are not applied on a Redis Cluster lock store")
+            _slots_cluster_logged = True
+        return {index: {"sl": []} for index, op in enumerate(ops) if "sl" in op}
+    tag = "{" + f"{prefix}:slots" + "}"
+    needs = f"{prefix}:slot-needs:{tag}"
+    added: dict[int, dict[str, Any]] = {}
+    for index, op in enumerate(ops):
+        if op["o"] in ("r", "q") or (op["o"] == "u" and not op.get("sl")):
+            added[index] = {"n": needs}
+        elif op["o"] in ("a", "u") and op.get("sl"):
+            slots = [
+                [
+                    f"{prefix}:slot:{tag}:{limit}={value}",
+                    f"{prefix}:slotq:{tag}:{limit}={value}",
+                    most,
+                    f"{limit}={value}",
+                ]
+                for limit, value, most in op["sl"]
+            ]
+            added[index] = {"n": needs, "sq": f"{prefix}:slot-seq:{tag}", "sl": slots}
+    return added
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """Who holds a limit's slots for one label value (oldest first) and who waits (in order)."""
+
+    limit: str
+    value: str
+    holders: list[str]
+    waiting: list[str]
+
+
+def slot_states(pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], SlotState]:
+    """The SlotState of each (limit, label value), in one round trip. Reads only."""
+    if not pairs:
+        return {}
+    with lock_redis_connection().pipeline(transaction=False) as pipe:
+        for limit, value in pairs:
+            slot_state_read(limit, value, pipe=pipe)
+        replies = pipe.execute()
+    n = SLOT_STATE_REPLIES
+    return {pair: slot_state_parse(*pair, replies[n * i : n * i + n]) for i, pair in enumerate(pairs)}
+
+
+def slot_counts(limit: str) -> dict[str, tuple[int, int]]:
+    """For each label value of `limit` with slots held or waited for: (held, waiting).
+
+    Finds the keys with SCAN (O(keys in the database): for an admin page, never for the
+    engine's hot path) and counts them in one pipeline."""
+    conn = lock_redis_connection()
+    values: set[str] = set()
+    for head in slot_keys(limit, ""):
+        # The key prefix and the limit's name are data: escape glob characters.
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
+        values |= {key[len(head) :] for key in conn.scan_iter(match=pattern, count=QUEUE_SCAN_BATCH)}
+    if not values:
+        return {}
+    ordered = sorted(values)
+    with conn.pipeline(transaction=False) as pipe:
+        for value in ordered:
+            held, waiting = slot_keys(limit, value)
+            pipe.zcard(held)
+            pipe.zcard(waiting)
+        replies = pipe.execute()
+    return {value: (replies[2 * i], replies[2 * i + 1]) for i, value in enumerate(ordered)}
+
+
+# Replies `slot_state_read` adds to a pipeline.
+SLOT_STATE_REPLIES = 2
+
+
+def slot_state_read(limit: str, value: str, *, pipe: Any) -> None:
+    """Queue the reads of a slot set's state on `pipe` (a pipeline of the lock Redis);
+    `slot_state_parse` reads its SLOT_STATE_REPLIES replies."""
+    holders, waiters = slot_keys(limit, value)
+    pipe.zrange(holders, 0, -1)
+    pipe.zrange(waiters, 0, -1)
+
+
+def slot_state_parse(limit: str, value: str, replies: Sequence[Any]) -> SlotState:
+    return SlotState(limit, value, list(replies[0]), list(replies[1]))
 
 
 def _outcome(op: dict, result: Any) -> Outcome:
@@ -536,7 +676,8 @@ def _outcome(op: dict, result: Any) -> Outcome:
         if result[0] in (1, 2):
             return Grant(op["h"], int(result[1]), held=result[0] == 2)
         if result[0] == 0:
-            return Queued(int(result[1]), waiting=len(result) > 2 and result[2] == 1)
+            slot = result[3] if len(result) > 3 else ""
+            return Queued(int(result[1]), waiting=len(result) > 2 and result[2] == 1, slot=slot)
         return NotReady()
     if kind == "r":
         return Grant(result[1], int(result[2])) if result[0] == 1 else None
@@ -693,7 +834,12 @@ def device_lock_pass_on(device: str, *, holder: str, fence: int, force: bool = F
     operator's force-release). Returns the grant it handed on, if any. A stale holder
     (wrong fence) changes nothing, unless `force`.
     """
-    grant = device_lock_release(device, holder=holder, fence=fence, force=force)
+    batch = LockBatch()
+    batch.release(device, holder=holder, fence=fence, force=force)
+    grant = device_locks_apply(batch)[0]
     if grant is not None:
         device_lock_handoff(device, grant)
+    # Slots the release freed may have handed other devices' locks on (shared limits).
+    for other, handed in batch.handed:
+        device_lock_handoff(other, handed)
     return grant

@@ -10,7 +10,14 @@ from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.auth_token import TokenObtainView
 from iotqueue.views import metrics_view
 from jobs.admin.dashboard import dashboard_urls
-from jobs.api import CanvasCancelView, DeviceLockReleaseView, DeviceLockView, RunViewSet, TemplateViewSet
+from jobs.api import (
+    CanvasCancelView,
+    ConcurrencyLimitViewSet,
+    DeviceLockReleaseView,
+    DeviceLockView,
+    RunViewSet,
+    TemplateViewSet,
+)
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 from webhooks.api import WebhookViewSet
 
@@ -22,6 +29,7 @@ router.register("groups", DeviceGroupViewSet, basename="group")
 router.register("schedules", ScheduleViewSet, basename="schedule")
 router.register("trigger-rules", TriggerRuleViewSet, basename="trigger-rule")
 router.register("webhooks", WebhookViewSet, basename="webhook")
+router.register("limits", ConcurrencyLimitViewSet, basename="limit")
 
 urlpatterns = [
     # The site's front page is the admin (the operator console). Temporary: the root may

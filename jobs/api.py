@@ -31,10 +31,11 @@ from iotqueue.pagination import Pagination
 from .api_docs import run_preview_schema, run_start_schema, template_create_schema
 from .cancel import canvas_cancel, lock_force_release, run_cancel
 from .engine.continuous import fanout_close, plan_step_index
-from .models import JobRun, JobTemplate, RunStatus, StepRun
+from .models import ConcurrencyLimit, JobRun, JobTemplate, RunStatus, StepRun
 from .preview import run_preview
 from .retry import RetryError, run_retry
 from .serializers import (
+    ConcurrencyLimitSerializer,
     DeviceLockSerializer,
     FanoutCloseSerializer,
     RunDetailSerializer,
@@ -375,3 +376,23 @@ class TemplateViewSet(viewsets.ModelViewSet):
     def _versions(self):
         template = self.get_object()
         return template.versions.select_related("author").order_by("-number")
+
+
+@extend_schema_view(
+    list=extend_schema(description="The shared concurrency limits, by name."),
+    create=extend_schema(
+        description="Add a limit: at most `max_concurrent` of the commands it applies to in flight at "
+        "once per value of the device label `label`, across every run. A 400 names the field."
+    ),
+    retrieve=extend_schema(description="One limit, by name."),
+    update=extend_schema(description="Change a limit; workers read the change within 5 seconds."),
+    partial_update=extend_schema(description="Change some of a limit's fields."),
+    destroy=extend_schema(description="Remove a limit: the commands it held back go on as slots free."),
+)
+class ConcurrencyLimitViewSet(viewsets.ModelViewSet):
+    """Shared concurrency limits (docs/orchestration.md, "Shared concurrency limits")."""
+
+    queryset = ConcurrencyLimit.objects.all()
+    serializer_class = ConcurrencyLimitSerializer
+    lookup_field = "name"
+    lookup_value_regex = URL_NAME_LOOKUP_REGEX

@@ -38,7 +38,15 @@ class JobsConfig(AppConfig):
         from iotqueue.metrics import family_values_add
 
         # Importing metrics declares the app's /metrics families.
-        from . import beat, canvas, gauges, metrics, replies, step_locks
+        from . import (
+            beat,
+            canvas,
+            gauges,
+            limits,  # noqa: F401 (its signals: a limit saved is read again at once)
+            metrics,
+            replies,
+            step_locks,
+        )
         from .engine.batch import step_handoff
         from .engine.plan import HOLDER_KIND
         from .events import run_ended

@@ -3,7 +3,8 @@
 import uuid
 
 from django.conf import settings
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
@@ -650,3 +651,69 @@ class ContinuousFanout(models.Model):
     @property
     def is_open(self) -> bool:
         return self.closed_at is None
+
+
+# Shared concurrency limits (issue 36 point 6): at most N commands per label value, across runs.
+class LimitScope(models.TextChoices):
+    ALL = "all", _("all commands")
+    ACTION = "action", _("an action")
+    PREFIX = "prefix", _("actions starting with")
+    TEMPLATE = "template", _("a template's commands")
+
+
+class ConcurrencyLimit(models.Model):
+    """At most `max_concurrent` of the commands it applies to in flight at once per value of
+    a device label (e.g. 3 `firmware/download` per `site`), across every run and worker:
+    the others wait, by priority then arrival (jobs/limits.py, devices/locks.py slots)."""
+
+    name = models.CharField(
+        _("name"),
+        max_length=64,
+        unique=True,
+        help_text=_("The limit's name, as the waiting reasons and events say it."),
+        validators=[
+            RegexValidator(r"\A[A-Za-z0-9._-]+\Z", _("Use letters, digits and . _ - only."), code="invalid")
+        ],
+    )
+    label = models.CharField(
+        _("label key"),
+        max_length=64,
+        help_text=_("The device label whose value the limit counts per, e.g. site."),
+    )
+    max_concurrent = models.PositiveIntegerField(
+        _("max concurrent"),
+        validators=[MinValueValidator(1)],
+        help_text=_("How many of its commands may be in flight at once per label value."),
+    )
+    applies_to = models.CharField(
+        _("applies to"), max_length=16, choices=LimitScope.choices, default=LimitScope.ACTION
+    )
+    match = models.CharField(
+        _("match"),
+        max_length=128,
+        blank=True,
+        help_text=_(
+            "The action, the action prefix or the template name it applies to; empty for all commands."
+        ),
+    )
+    enabled = models.BooleanField(_("enabled"), default=True)
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("concurrency limit")
+        verbose_name_plural = _("concurrency limits")
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if self.applies_to != LimitScope.ALL and not self.match:
+            raise ValidationError({"match": _("Say which action, prefix or template the limit applies to.")})
+        if self.applies_to == LimitScope.ALL and self.match:
+            raise ValidationError(
+                {"match": _("A limit on all commands matches nothing more: leave it empty.")}
+            )
+        if self.label and not self.label.strip():
+            raise ValidationError({"label": _("Name a device label key.")})

@@ -8,6 +8,7 @@ writes nothing, not even the template's next version (it reads the template as i
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -28,6 +29,7 @@ from .estimate import (
     row_timing,
     typical_seconds,
 )
+from .limits import limits_enabled
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
 from .parameters import parameters_problem
 from .services import (
@@ -44,7 +46,15 @@ from .versions import version_snapshot
 # 100,000-device fan-out stays a few kilobytes.
 PREVIEW_MAX_DEVICES = 100
 # The columns a preview reads of each targeted device (one query per step).
-DEVICE_COLUMNS = ("name", "enabled", "online", "presence_required", "min_interval_seconds", "max_per_minute")
+DEVICE_COLUMNS = (
+    "name",
+    "enabled",
+    "online",
+    "presence_required",
+    "min_interval_seconds",
+    "max_per_minute",
+    "labels",
+)
 
 
 @dataclass
@@ -57,6 +67,7 @@ class TargetDevice:
     presence_required: bool
     min_interval_seconds: float
     max_per_minute: int
+    labels: dict[str, str] = field(default_factory=dict)
     holder: str | None = None
     queue: list[str] = field(default_factory=list)
 
@@ -92,7 +103,7 @@ def run_preview(
     problem = parameters_problem(plan, parameters)
     if problem:
         raise RunStartError("parameters", problem)
-    steps = _steps_preview(plan, parameters)
+    steps = _steps_preview(plan, parameters, template_id=template.pk)
     total = _total_seconds(steps)
     now = timezone.now()
     return {
@@ -175,7 +186,7 @@ def _devices_matching(spec: dict[str, Any]) -> list[TargetDevice]:
     return [TargetDevice(*row) for row in selector_filter(devices, requirements).values_list(*DEVICE_COLUMNS)]
 
 
-def _steps_preview(plan: list[dict], parameters: dict[str, Any]) -> list[dict[str, Any]]:
+def _steps_preview(plan: list[dict], parameters: dict[str, Any], *, template_id: int) -> list[dict[str, Any]]:
     """Each step's targets and estimate, the lock states of all of them read at once."""
     targets = [_step_targets(spec, parameters) for spec in plan]
     names = sorted({device.name for devices, _problems in targets for device in devices if device.enabled})
@@ -186,7 +197,7 @@ def _steps_preview(plan: list[dict], parameters: dict[str, Any]) -> list[dict[st
             if state is not None:
                 device.holder, device.queue = state.holder, state.queue
     return [
-        _step_preview(index, spec, devices, problems)
+        _step_preview(index, spec, devices, problems, template_id=template_id)
         for index, (spec, (devices, problems)) in enumerate(zip(plan, targets, strict=True))
     ]
 
@@ -225,7 +236,7 @@ def _devices_named(name: str) -> list[TargetDevice]:
 
 
 def _step_preview(
-    index: int, spec: dict[str, Any], devices: list[TargetDevice], problems: list[str]
+    index: int, spec: dict[str, Any], devices: list[TargetDevice], problems: list[str], *, template_id: int
 ) -> dict[str, Any]:
     kind = spec_kind(spec)
     enabled = [device for device in devices if device.enabled]
@@ -237,6 +248,7 @@ def _step_preview(
         "target": plan_step_target(spec),
         "devices": _devices_summary(devices, enabled),
         "flow_control": _flow_control(enabled),
+        "limits": _limits(spec, kind, enabled, template_id=template_id),
         "rollout": _rollout(spec) if kind == FANOUT else None,
         "continuous": _continuous(spec) if kind == FANOUT else None,
         "problems": problems,
@@ -280,6 +292,36 @@ def _flow_control(enabled: list[TargetDevice]) -> dict[str, Any]:
         "max_per_minute_devices": len(capped),
         "max_per_minute_min": min(capped, default=None),
     }
+
+
+def _limits(
+    spec: dict[str, Any], kind: str, enabled: list[TargetDevice], *, template_id: int
+) -> list[dict[str, Any]]:
+    """The shared concurrency limits that apply to the step's command on its targets: how
+    many targets each covers, over how many label values, and the largest value's share."""
+    if kind in (StepKind.DELAY, StepKind.TASK):
+        return []
+    action = spec.get("action") or ""
+    found = []
+    for limit in limits_enabled():
+        if not limit.applies(action=action, template_id=template_id):
+            continue
+        values = Counter(d.labels[limit.label] for d in enabled if limit.label in (d.labels or {}))
+        if not values:
+            continue
+        value, most = values.most_common(1)[0]
+        found.append(
+            {
+                "name": limit.name,
+                "description": limit.describe(),
+                "label": limit.label,
+                "max_concurrent": limit.most,
+                "devices": sum(values.values()),
+                "label_values": len(values),
+                "largest": {"value": value, "devices": most},
+            }
+        )
+    return found
 
 
 ROLLOUT_FIELDS = (

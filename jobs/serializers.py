@@ -12,7 +12,7 @@ from devices.selectors import selector_parse
 from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
 
-from .models import ContinuousFanout, JobRun, JobTemplate, RunEvent, StepRun
+from .models import ConcurrencyLimit, ContinuousFanout, JobRun, JobTemplate, LimitScope, RunEvent, StepRun
 from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
@@ -348,6 +348,21 @@ class PreviewFlowControlSerializer(serializers.Serializer):
     max_per_minute_min = serializers.IntegerField(allow_null=True)
 
 
+class PreviewLimitLargestSerializer(serializers.Serializer):
+    value = serializers.CharField()
+    devices = serializers.IntegerField()
+
+
+class PreviewLimitSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    description = serializers.CharField(help_text="e.g. limit 'site-downloads' (3 per site)")
+    label = serializers.CharField(help_text="The device label the limit counts per.")
+    max_concurrent = serializers.IntegerField(help_text="At most this many in flight per label value.")
+    devices = serializers.IntegerField(help_text="Targets the limit applies to (those with the label).")
+    label_values = serializers.IntegerField(help_text="How many label values the targets have.")
+    largest = PreviewLimitLargestSerializer(help_text="The label value with the most targets.")
+
+
 class PreviewStepEstimateSerializer(serializers.Serializer):
     seconds = serializers.FloatField(allow_null=True, help_text="null: no estimate (the step would fail).")
     method = serializers.ChoiceField(
@@ -393,6 +408,9 @@ class PreviewStepSerializer(serializers.Serializer):
     target = serializers.CharField()
     devices = PreviewDevicesSerializer()
     flow_control = PreviewFlowControlSerializer()
+    limits = PreviewLimitSerializer(
+        many=True, help_text="The shared concurrency limits that apply to the step's command on its targets."
+    )
     rollout = serializers.DictField(allow_null=True, help_text="A fan-out's rate, ramp and abort settings.")
     continuous = PreviewContinuousSerializer(
         allow_null=True,
@@ -426,3 +444,41 @@ class RunPreviewSerializer(serializers.Serializer):
     estimate = PreviewEstimateSerializer()
     problems = serializers.ListField(child=serializers.CharField())
     previewed_at = serializers.DateTimeField()
+
+
+class ConcurrencyLimitSerializer(serializers.ModelSerializer):
+    """A shared concurrency limit (jobs/limits.py); refusals are keyed by field."""
+
+    class Meta:
+        model = ConcurrencyLimit
+        fields = [
+            "name",
+            "label",
+            "max_concurrent",
+            "applies_to",
+            "match",
+            "enabled",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["created_at", "updated_at"]
+
+    def validate(self, attrs):
+        names = ("applies_to", "match", "label")
+        values = {name: attrs.get(name, getattr(self.instance, name, None)) for name in names}
+        applies_to = values["applies_to"] or LimitScope.ACTION
+        match = values["match"] or ""
+        if applies_to != LimitScope.ALL and not match:
+            raise serializers.ValidationError(
+                {"match": _("Say which action, prefix or template the limit applies to.")}
+            )
+        if applies_to == LimitScope.ALL and match:
+            raise serializers.ValidationError(
+                {"match": _("A limit on all commands matches nothing more: leave it empty.")}
+            )
+        if applies_to == LimitScope.TEMPLATE and not JobTemplate.objects.filter(name=match).exists():
+            problem = _("No template is named %(name)s.") % {"name": match}
+            raise serializers.ValidationError({"match": problem})
+        if not (values["label"] or "").strip():
+            raise serializers.ValidationError({"label": _("Name a device label key.")})
+        return attrs

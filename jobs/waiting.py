@@ -29,11 +29,21 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from devices.locks import LOCK_STATE_REPLIES, LockState, device_lock_state_parse, device_lock_state_read
+from devices.locks import (
+    LOCK_STATE_REPLIES,
+    SLOT_STATE_REPLIES,
+    LockState,
+    SlotState,
+    device_lock_state_parse,
+    device_lock_state_read,
+    slot_state_parse,
+    slot_state_read,
+)
 from iotqueue.redis_conn import lock_redis_connection
 
 from .deadlines import Deadline, deadlines_key
 from .engine.plan import holder_step_id, spec_kind, step_holder, step_spec
+from .limits import Limit, limits_applying
 from .models import (
     STEP_AT_WORK,
     STEP_IN_FLIGHT,
@@ -59,6 +69,7 @@ REASONS = {
     "device_disabled": "the step's device was disabled after the step was queued",
     "device_busy": "another run's step holds the device's lock; this step waits in its queue",
     "flow_control": "the step holds the lock; the device's flow limits say when it may be sent",
+    "limit_full": "a shared concurrency limit is full for the device's label value; it waits for a slot",
     "dispatching": "the device's lock is free or handed to this step: it is being sent now",
     "rollout_rate": "a fan-out's device not started yet: the rollout rate (a rollback's: "
     "compensation_per_minute) starts it later",
@@ -124,6 +135,12 @@ class WaitFacts:
     fanouts: dict[tuple[uuid.UUID, str, int], tuple[int, int | None]] = field(default_factory=dict)
     # step row pk -> (run id, index) of the holders of the devices' locks
     holders: dict[int, tuple[uuid.UUID, int]] = field(default_factory=dict)
+    # step row pk -> the shared concurrency limits that apply to it, with its label value
+    limits: dict[int, list[tuple[Limit, str]]] = field(default_factory=dict)
+    # (limit name, label value) -> who holds and who waits for its slots
+    slots: dict[tuple[str, str], SlotState] = field(default_factory=dict)
+    # step row pk of a slot holder -> its device's name
+    slot_devices: dict[int, str] = field(default_factory=dict)
 
 
 def _needs_lock(row: StepRun) -> bool:
@@ -162,15 +179,29 @@ def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
     members += [Deadline("pump", first, 0) for _count, first in facts.fanouts.values() if first is not None]
     if not devices and not members:
         return facts
+    for row in rows:
+        if _needs_lock(row):
+            applying = limits_applying(
+                action=row.action, template_id=row.run.template_id, labels=row.device.labels
+            )
+            if applying:
+                facts.limits[row.pk] = applying
+    pairs = sorted({(limit.name, value) for applying in facts.limits.values() for limit, value in applying})
     with lock_redis_connection().pipeline(transaction=False) as pipe:
         for device in devices:
             device_lock_state_read(device, pipe=pipe)
         for deadline in members:
             pipe.zscore(deadlines_key(deadline.shard), deadline.member)
+        for limit, value in pairs:
+            slot_state_read(limit, value, pipe=pipe)
         replies = pipe.execute()
     n = LOCK_STATE_REPLIES
     facts.locks = {d: device_lock_state_parse(d, replies[n * i : n * i + n]) for i, d in enumerate(devices)}
-    scores = replies[n * len(devices) :]
+    at, m = n * len(devices) + len(members), SLOT_STATE_REPLIES
+    facts.slots = {
+        pair: slot_state_parse(*pair, replies[at + m * i : at + m * i + m]) for i, pair in enumerate(pairs)
+    }
+    scores = replies[n * len(devices) : at]
     facts.due = {
         d.member: datetime.fromtimestamp(score / 1000, UTC)
         for d, score in zip(members, scores, strict=True)
@@ -178,6 +209,9 @@ def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
     }
     held = {holder_step_id(s.holder) for s in facts.locks.values() if s.holder}
     held.discard(None)
+    in_slots = {holder_step_id(h) for state in facts.slots.values() for h in state.holders} - {None}
+    if in_slots:
+        facts.slot_devices = dict(StepRun.objects.filter(pk__in=in_slots).values_list("pk", "device__name"))
     if held:
         facts.holders = {
             pk: (run_id, index)
@@ -239,6 +273,9 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
         return _offline(row, now)
     state = facts.locks.get(device.name)
     holder = step_holder(row)
+    full = _limit_full(row, facts, holder)
+    if full is not None:
+        return full
     if state is None or state.holder is None or state.holder == holder:
         until = facts.due.get(Deadline.of("dispatch", row).member)
         if state is not None and state.holder == holder and until is not None:
@@ -275,6 +312,36 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
         blocking_step=blocker[1] if blocker else None,
         queue_position=position,
     )
+
+
+def _limit_full(row: StepRun, facts: WaitFacts, holder: str) -> Waiting | None:
+    """A queued row waiting for a slot of a shared concurrency limit (its device left free):
+    which limit, for which label value, and what holds its slots."""
+    for limit, value in facts.limits.get(row.pk, []):
+        state = facts.slots.get((limit.name, value))
+        if state is None or holder not in state.waiting:
+            continue
+        held = [facts.slot_devices.get(holder_step_id(h) or -1, h) for h in state.holders]
+        message = _(
+            "%(limit)s: %(label)s=%(value)s has %(count)s of %(most)s in flight (%(held)s); "
+            "this step is number %(position)s in its queue"
+        ) % {
+            "limit": limit.describe(),
+            "label": limit.label,
+            "value": value,
+            "count": len(state.holders),
+            "most": limit.most,
+            "held": ", ".join(held) or "-",
+            "position": state.waiting.index(holder) + 1,
+        }
+        return Waiting(
+            "limit_full",
+            message,
+            device=row.device.name,
+            since=row.queued_at,
+            queue_position=state.waiting.index(holder) + 1,
+        )
+    return None
 
 
 def _wait_online(row: StepRun, now: datetime) -> Waiting:

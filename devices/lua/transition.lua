@@ -33,7 +33,7 @@
 --     queue already, so undoing its transition must not take that place away), or [-1] while the shard's epoch is
 --     missing: granting then could hand a device still executing a command to a second
 --     holder, so nothing is granted until the lock state has been rebuilt (op "s").
---   release: [1, next holder, next fence] after a hand-off, [0] when the lock is now free,
+--   release: [1, next holder, next fence] after a hand-off, [0, 0, 0] when the lock is now free,
 --     [-1] when the caller no longer held it (stale: nothing changes).
 --   extend: [1] when the lease was pushed out to now + l, [0] when the caller no longer
 --     holds the lock.
@@ -45,6 +45,13 @@
 --     executing holder gets its lock back, unless the lock is held already.
 --   preempt: [3, fence] when v (under fence vf) was displaced and the caller holds the lock
 --     under a new fence; otherwise what an acquire ("a") answers.
+-- Shared concurrency limits (slots; the section "slots" below): an acquire may carry
+-- "n" (the slot-needs hash key), "sq" (the slot arrival counter key) and "sl": the slots
+-- it needs, [[holders zset key, waiters zset key, at most, "limit=value"]], one per (limit,
+-- label value); an acquire that waits for a slot replies [0, position, waiting, "limit=value"];
+-- a release and a dequeue carry "n" when slots are in use. A release whose hand-off or
+-- freed slots granted other devices' locks appends them, [device, holder, fence, ...], as
+-- the 4th element of its reply ([0, 0, 0, extra] when it handed its own device to nobody).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local req = cjson.decode(ARGV[1])
@@ -59,6 +66,176 @@ local function zadd_all(zset, pairs)
     redis.call('ZADD', zset, p[1], p[2])
   end
 end
+
+-- === slots: shared concurrency limits =======================================================
+-- A command a limit applies to needs, beside its device's lock, one slot of each
+-- (limit, label value) it falls under: at most "n" holders per slot set. It takes its
+-- device's lock and its slots together or neither (nobody holds a device while waiting for
+-- a slot): blocked by a slot, it waits in that slot set's waiters (priority band, then
+-- arrival), its device's lock left free. A holder's slots go with its device lock: released
+-- (or reclaimed after its lease ran out) together; the freed slots are handed on to their
+-- waiters, each taking its device's lock when that is free (an extra grant of the release)
+-- or joining its device's queue when it is not. What a holder needs lives in the needs hash
+-- (holder -> JSON {d, lk, fk, qk, ik: its device and its lock, fence, queue and lease index
+-- keys, sc: its score, m: its slots}). These keys live outside the device shards' hash
+-- slots, so slots are only used on a single Redis (devices/locks.py passes none to a cluster).
+
+local function slot_need(needs, holder)
+  if not needs then
+    return nil
+  end
+  local raw = redis.call('HGET', needs, holder)
+  return raw and cjson.decode(raw)
+end
+
+-- The first slot set that blocks a holder of score sc: full, or with a waiter ahead of it.
+local function slot_blocked(m, sc, holder)
+  for _, l in ipairs(m) do
+    if redis.call('ZCARD', l[1]) >= l[3] then
+      return l
+    end
+    local head = redis.call('ZRANGE', l[2], 0, 0, 'WITHSCORES')
+    if #head > 0 and head[1] ~= holder and tonumber(head[2]) < sc then
+      return l
+    end
+  end
+  return nil
+end
+
+local function slot_take(need, holder)
+  for _, l in ipairs(need.m) do
+    redis.call('ZADD', l[1], now, holder)
+    redis.call('ZREM', l[2], holder)
+  end
+end
+
+local function slot_wait(need, l, holder)
+  for _, other in ipairs(need.m) do
+    if other[2] ~= l[2] then
+      redis.call('ZREM', other[2], holder)
+    end
+  end
+  redis.call('ZADD', l[2], need.sc, holder)
+end
+
+-- An acquire that needs slots: its need is remembered (a holder asking again keeps its
+-- first score, so its place). Returns the need, or nil when the acquire needs none.
+local function slot_need_note(s, op)
+  if not op.sl or #op.sl == 0 or not op.n then
+    return nil
+  end
+  local need = slot_need(op.n, op.h)
+  if need then
+    return need
+  end
+  local seq = redis.call('INCR', op.sq)
+  need = {d = op.d, lk = KEYS[op.k], fk = KEYS[op.k + 1], qk = KEYS[op.k + 2], ik = KEYS[s],
+          sc = (9 - op.p) * BAND + seq, m = op.sl}
+  redis.call('HSET', op.n, op.h, cjson.encode(need))
+  return need
+end
+
+-- A free device's acquire that needs slots: nil when it may be granted (its slots taken),
+-- else its queued reply (it waits for the slot set that blocks it).
+local function slot_gate(need, op)
+  local blocked = slot_blocked(need.m, need.sc, op.h)
+  if not blocked then
+    slot_take(need, op.h)
+    return nil
+  end
+  local waiting = redis.call('ZSCORE', blocked[2], op.h) and 1 or 0
+  slot_wait(need, blocked, op.h)
+  return {0, redis.call('ZRANK', blocked[2], op.h) + 1, waiting, blocked[4]}
+end
+
+-- The releasing holder gives its slots back; returns the slot sets it freed.
+local function slot_free(needs, holder)
+  local need = slot_need(needs, holder)
+  if not need then
+    return {}
+  end
+  for _, l in ipairs(need.m) do
+    redis.call('ZREM', l[1], holder)
+    redis.call('ZREM', l[2], holder)
+  end
+  redis.call('HDEL', needs, holder)
+  return need.m
+end
+
+-- The next holder of a released device: the head of its queue that its slots do not block
+-- (its slots taken); a blocked one moves to its blocking slot set's waiters.
+local function slot_next(needs, queue)
+  while true do
+    local head = redis.call('ZPOPMIN', queue)
+    if #head == 0 or not needs then
+      return head
+    end
+    local need = slot_need(needs, head[1])
+    if not need then
+      return head
+    end
+    local blocked = slot_blocked(need.m, need.sc, head[1])
+    if not blocked then
+      slot_take(need, head[1])
+      return head
+    end
+    slot_wait(need, blocked, head[1])
+  end
+end
+
+-- Hand the freed slot sets to their waiters, in order: a waiter takes its device's lock
+-- and its slots when its device is free and nothing blocks it, joins its device's queue
+-- when the device is busy, or moves to the next slot set that blocks it. The grants, as a
+-- flat list [device, holder, fence, ...], are added to extra.
+local function slot_serve(needs, freed, lease, extra)
+  for _, l in ipairs(freed) do
+    while redis.call('ZCARD', l[1]) < l[3] do
+      local head = redis.call('ZRANGE', l[2], 0, 0)
+      if #head == 0 then
+        break
+      end
+      local holder = head[1]
+      redis.call('ZREM', l[2], holder)
+      local need = slot_need(needs, holder)
+      if need and redis.call('HGET', need.lk, 'holder') ~= holder then
+        local blocked = slot_blocked(need.m, need.sc, holder)
+        redis.call('ZREM', need.qk, holder)
+        if blocked then
+          slot_wait(need, blocked, holder)
+        elseif redis.call('HEXISTS', need.lk, 'holder') == 1 or redis.call('ZCARD', need.qk) > 0 then
+          redis.call('ZADD', need.qk, need.sc, holder)
+        else
+          local fence = redis.call('INCR', need.fk)
+          redis.call('HSET', need.lk, 'holder', holder, 'fence', fence, 'since', now)
+          redis.call('ZADD', need.ik, now + lease, need.d)
+          slot_take(need, holder)
+          table.insert(extra, need.d)
+          table.insert(extra, holder)
+          table.insert(extra, fence)
+        end
+      end
+    end
+  end
+end
+
+-- A queued holder leaves: the slot sets' waiters too, and its need (unless it holds slots:
+-- granted meanwhile, its need goes with its release).
+local function slot_leave(needs, holder)
+  local need = slot_need(needs, holder)
+  if not need then
+    return 0
+  end
+  local left = 0
+  for _, l in ipairs(need.m) do
+    if redis.call('ZSCORE', l[1], holder) then
+      return left
+    end
+    left = left + redis.call('ZREM', l[2], holder)
+  end
+  redis.call('HDEL', needs, holder)
+  return left
+end
+-- === end of slots ===========================================================================
 
 local function holds(lock, op)
   return redis.call('HGET', lock, 'holder') == op.h and redis.call('HGET', lock, 'fence') == tostring(op.f)
@@ -75,7 +252,13 @@ local function acquire(s, zset, ready, op)
     zadd_all(zset, op.g)
     return {2, tonumber(redis.call('HGET', lock, 'fence'))}
   end
+  local need = slot_need_note(s, op)
   if not holder and redis.call('ZCARD', queue) == 0 then
+    local queued = need and slot_gate(need, op)
+    if queued then
+      zadd_all(zset, op.q)
+      return queued
+    end
     local fence = redis.call('INCR', fence_key)
     redis.call('HSET', lock, 'holder', op.h, 'fence', fence, 'since', now)
     redis.call('ZADD', KEYS[s], now + op.l, op.d)
@@ -97,16 +280,25 @@ local function release(s, op)
   if not op.x and not holds(lock, op) then
     return {-1}
   end
-  local head = redis.call('ZPOPMIN', queue)
+  local freed = op.n and slot_free(op.n, redis.call('HGET', lock, 'holder') or op.h) or {}
+  local head = slot_next(op.n, queue)
+  local result
   if #head == 0 then
     redis.call('DEL', lock)
     redis.call('ZREM', KEYS[s], op.d)
-    return {0}
+    result = {0, 0, 0}
+  else
+    local fence = redis.call('INCR', fence_key)
+    redis.call('HSET', lock, 'holder', head[1], 'fence', fence, 'since', now)
+    redis.call('ZADD', KEYS[s], now + op.l, op.d)
+    result = {1, head[1], fence}
   end
-  local fence = redis.call('INCR', fence_key)
-  redis.call('HSET', lock, 'holder', head[1], 'fence', fence, 'since', now)
-  redis.call('ZADD', KEYS[s], now + op.l, op.d)
-  return {1, head[1], fence}
+  local extra = {}
+  slot_serve(op.n, freed, op.l, extra)
+  if #extra > 0 then
+    table.insert(result, extra)
+  end
+  return result
 end
 
 local function extend(s, op)
@@ -118,7 +310,11 @@ local function extend(s, op)
 end
 
 local function dequeue(op)
-  return {redis.call('ZREM', KEYS[op.k + 2], op.h)}
+  local left = redis.call('ZREM', KEYS[op.k + 2], op.h)
+  if op.n then
+    left = math.max(left, slot_leave(op.n, op.h))
+  end
+  return {left}
 end
 
 local function reclaim(s, op)
@@ -159,10 +355,12 @@ end
 -- band * BAND: arrival numbers start at 1, so it is served before every waiter of its own
 -- priority and after every waiter of a higher one), and the caller leaves the queue and
 -- holds the lock with a lease. When v no longer holds the lock under vf (it ended, the
--- lock moved on), the operation is a plain acquire: granted if free, else queued.
+-- lock moved on), the operation is a plain acquire: granted if free, else queued. So it is
+-- when v holds slots of a shared concurrency limit: such a command is never preempted (its
+-- slots would stay taken while it waits, or be handed on by nobody).
 local function preempt(s, zset, ready, op)
   local lock, fence_key, queue = KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
-  if not ready or not holds(lock, {h = op.v, f = op.vf}) then
+  if not ready or not holds(lock, {h = op.v, f = op.vf}) or slot_need(op.n, op.v) then
     return acquire(s, zset, ready, op)
   end
   local fence = redis.call('INCR', fence_key)

@@ -12,9 +12,9 @@ of rows (paging.py). One module per page family; importing them registers them.
 from django.contrib import admin
 from django.utils.translation import gettext_lazy as _
 
-from . import dashboard, devices, records, runs, templates
+from . import dashboard, devices, limits, records, runs, templates
 
 admin.site.site_header = _("iotqueue console")
 admin.site.site_title = _("iotqueue")
 
-__all__ = ["dashboard", "devices", "records", "runs", "templates"]
+__all__ = ["dashboard", "devices", "limits", "records", "runs", "templates"]

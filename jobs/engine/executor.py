@@ -27,6 +27,7 @@ from devices.locks import (
 from devices.models import Device
 
 from ..deadlines import deadlines_key
+from ..limits import limits_enabled
 from ..models import StepRun
 from ..rows import Writes, rows_atomic, rows_select
 from . import planner
@@ -113,7 +114,7 @@ class Executor(BatchPublish):
 
     def __init__(self, rows: dict[str, StepRun]) -> None:
         self.rows = rows
-        self.plan = Plan(now=timezone.now())
+        self.plan = Plan(now=timezone.now(), limits=limits_enabled())
         self.writes = Writes()  # the plan's writes, queued as they are planned
         self.queued = 0  # how many of plan.writes are in `writes`
         self.outcomes: list = []
@@ -170,6 +171,9 @@ class Executor(BatchPublish):
         planner.locks_order(self.plan)
         self.outcomes = device_locks_apply(self.plan.locks, zset=deadlines_key)
         planner.locks_answered(self.plan, self.outcomes)
+        # Slots the releases freed (shared concurrency limits) handed other devices on:
+        # dispatched in this transaction like the releases' own hand-offs.
+        self.plan.handed.extend(self.plan.locks.handed)
 
     def handed_dispatch(self) -> None:
         """Dispatch, in this transaction, the queued rows the releases handed a device to:
@@ -182,6 +186,8 @@ class Executor(BatchPublish):
         writes = planner.handed_plan(self.plan, rows)
         if writes.ops or writes.writes:
             device_locks_apply(writes, zset=deadlines_key)
+            # Devices these writes' releases handed on through freed slots: started after the commit.
+            self.later += [partial(device_lock_handoff, device, grant) for device, grant in writes.handed]
 
     def dispatches_write(self) -> None:
         """The new rows, whole (dispatched where the lock call granted their lock, else
@@ -209,6 +215,10 @@ class Executor(BatchPublish):
 
     def undo(self) -> None:
         """The transaction failed after the lock call: withdraw what it asked for."""
+        for device, grant in self.plan.locks.handed:
+            # A release's freed slots handed another device on: that holder is started.
+            safely(partial(device_lock_handoff, device, grant))
+        self.plan.locks.handed = []
         for index, outcome in enumerate(self.outcomes):
             try:
                 if index in self.plan.dequeues or index in self.plan.extends:

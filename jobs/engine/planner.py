@@ -57,6 +57,7 @@ from devices.models import Device
 from .. import templating
 from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
+from ..limits import Limit, row_slots
 from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from ..rows import row_new
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
@@ -164,6 +165,9 @@ class Plan:
     # Facts: seconds until each flow-controlled device may get its next command (the
     # executor reads them for the devices a stage may dispatch to: devices.flow).
     waits: dict[str, float] = field(default_factory=dict)
+    # The enabled shared concurrency limits (jobs/limits.py), read by the executor: the
+    # slots each acquire asks for with its device's lock.
+    limits: list[Limit] = field(default_factory=list)
     flow_sent: list[Device] = field(default_factory=list)  # flow-controlled, sent to now
     unplanned: list[Deadline] = field(default_factory=list)  # for jobs/engine/due.py's handlers
 
@@ -701,6 +705,7 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
             lease_seconds=lease_seconds(step_spec(row)) + wait,
             on_grant=spaced,
             on_queue=queue,
+            slots=row_slots(row, plan.limits),
         )
         plan.acquires[index] = (row, None)
         return
@@ -712,6 +717,7 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
         lease_seconds=lease_seconds(step_spec(row)),
         on_grant={d.member: deadline_score(when) for d, when in attempt.deadlines.items()},
         on_queue=queue,
+        slots=row_slots(row, plan.limits),
     )
     plan.acquires[index] = (row, attempt)
 
@@ -771,7 +777,12 @@ def locks_answered(plan: Plan, outcomes: list) -> None:
                     plan.later_add("preempt", step_run_id=row.pk)
             if not plan.quiet:
                 position = outcome.position
-                plan.events.add("step.waiting", step_run=row, message=f"device busy, position {position}")
+                if outcome.slot:
+                    # A shared concurrency limit is full for the device's label value.
+                    message = f"limit {outcome.slot} full, position {position}"
+                else:
+                    message = f"device busy, position {position}"
+                plan.events.add("step.waiting", step_run=row, message=message)
         elif isinstance(outcome, NotReady):
             plan.rebuild = True
 
