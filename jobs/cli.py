@@ -24,6 +24,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from redis.exceptions import RedisError
 
+from .engine.plan import spec_is_fanout
 from .models import (
     STEP_IN_FLIGHT,
     STEP_TERMINAL,
@@ -269,7 +270,7 @@ def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dic
     lines = {}
     for index, spec in enumerate(run.plan):
         rows, label = forward.get(index, []), f"#{index}"
-        if spec.get("group") or spec.get("labels") or spec.get("selector"):
+        if spec_is_fanout(spec):
             current = run_current_row(rows)
             told = waiting.get(current.pk) if current is not None else None
             lines[label] = (

@@ -15,6 +15,7 @@ from django.utils.translation import gettext as _
 from devices.selectors import selector_parse
 from iotqueue.text import text_problem
 
+from .choices import DevicesFromOutcome
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
@@ -65,6 +66,7 @@ PLAN_FIELDS = (
     "rollout_increment_on",
     "rollout_max_per_minute",
     "success_percent",
+    "devices_from",
 )
 
 
@@ -131,7 +133,17 @@ def plan_step_target(spec: dict[str, Any]) -> str:
         return _("labels %(labels)s") % {"labels": labels}
     if spec.get("selector"):
         return _("selector %(selector)s") % {"selector": spec["selector"]}
+    if spec.get("devices_from"):
+        return devices_from_text(spec["devices_from"])
     return "-"
+
+
+def devices_from_text(devices_from: dict[str, Any]) -> str:
+    """A `devices_from` target for people: `devices that succeeded in step flash`."""
+    values = {"step": devices_from.get("step")}
+    if devices_from.get("outcome") == DevicesFromOutcome.FAILED:
+        return _("devices that failed in step %(step)s") % values
+    return _("devices that succeeded in step %(step)s") % values
 
 
 def run_start(

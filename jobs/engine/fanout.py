@@ -1,4 +1,5 @@
-"""Fleet fan-out: one step sent to every device of a group or label selector.
+"""Fleet fan-out: one step sent to every device of a group or label selector (or to the
+devices that succeeded or failed in an earlier fan-out of the run: `devices_from`).
 
 The step expands into one row per device (status `pending`). The pump starts rows while
 the rollout rate (devices per minute, stepped up by an exponential ramp if the step has one)
@@ -31,7 +32,7 @@ from ..events import event_record
 from ..models import STEP_AT_WORK, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
 from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
-from .plan import FANOUT, fanout_devices, step_args
+from .plan import FANOUT, args_renderer, fanout_devices, fanout_target
 from .start import StepRefused
 
 # The window of the rollout rate.
@@ -153,16 +154,25 @@ def failure_reason(error: str, device: str | None) -> str:
 # has no compensation.
 @step_kind(FANOUT, batched_dispatch=True, compensable=False)
 def fanout_start(run: JobRun, index: int) -> None:
-    """Expand the step into one pending row per device, then pump; StepRefused when none."""
+    """Expand the step into one pending row per device, then pump; StepRefused when none
+    match (a step targeting an earlier fan-out's devices by outcome succeeds when there are
+    none, event `step.fanout_empty`)."""
     spec = run.plan[index]
     if _rows(run, index).exists():  # started before (a redelivered task): just pump
         fanout_pump(run=run, index=index)
         return
-    target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")
+    target = fanout_target(spec)
     try:
-        devices = fanout_devices(spec)
+        devices = fanout_devices(spec, run)
     except ValueError as exc:
         raise StepRefused("", f"{target}: {exc}") from None
+    if not devices and spec.get("devices_from"):
+        # "Retry on the devices that failed" when none did is a success, not a refusal.
+        source = spec["devices_from"]
+        message = f"no device to target: no device {source['outcome']} in step {source['step']}"
+        event_record("step.fanout_empty", run=run, message=message, index=index, devices_from=source)
+        step_done_apply(str(run.pk), index, ok=True, status=StepStatus.SUCCEEDED, error="")
+        return
     if not devices:
         raise StepRefused("", f"no enabled device matches {target}")
     limit = settings.IOTQUEUE_FANOUT_MAX_DEVICES
@@ -171,9 +181,13 @@ def fanout_start(run: JobRun, index: int) -> None:
             "", f"{len(devices)} devices match {target}, more than IOTQUEUE_FANOUT_MAX_DEVICES ({limit})"
         )
     rows = []
+    try:
+        render = args_renderer(run, spec["args"])
+    except templating.TemplateError as exc:
+        raise StepRefused("", str(exc)) from None
     for device in devices:
         try:
-            args = step_args(run, spec["args"], device)
+            args = render(device)
         except templating.TemplateError as exc:
             raise StepRefused(device.name, str(exc)) from None
         rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))
