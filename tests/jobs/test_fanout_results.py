@@ -4,6 +4,7 @@ steps ({{ steps.NAME.counts }}, .failed, .results) and targeted by them (devices
 import uuid
 
 import pytest
+from django.contrib.auth.models import User
 
 from devtools.simulator import DeviceBehaviour
 from jobs.models import JobRun, JobTemplate, Phase, RunEvent, RunStatus, StepRun, StepStatus
@@ -41,7 +42,9 @@ def gateways(
     return behaviours, good, bad
 
 
-def test_later_steps_target_and_read_the_devices_that_succeeded_or_failed_in_a_fan_out(stack, simulator):
+def test_later_steps_target_and_read_the_devices_that_succeeded_or_failed_in_a_fan_out(
+    stack, simulator, admin_api, client
+):
     # given 5 gateways that flash and 3 whose flash fails, and a hub that takes the report
     label = f"gw-{uuid.uuid4().hex[:6]}"
     behaviours, good, bad = gateways(label, flashing=5, broken=3)
@@ -81,6 +84,15 @@ def test_later_steps_target_and_read_the_devices_that_succeeded_or_failed_in_a_f
         },
     )
 
+    # when the operator previews it, the targets of verify and fallback are known only at run
+    # time: verify counts flash's gateways (at most all of them), fallback none
+    preview = admin_api.post("/api/runs/preview/", {"template": template.name}, format="json").json()
+    verify_preview, fallback_preview = preview["steps"][1], preview["steps"][2]
+    assert verify_preview["target"] == "devices that succeeded in step flash (known when the step starts)"
+    assert fallback_preview["target"] == "devices that failed in step flash (known when the step starts)"
+    assert (verify_preview["kind"], verify_preview["devices"]["matched"]) == ("fanout", 8)
+    assert fallback_preview["devices"]["matched"] == 0 and preview["problems"] == []
+
     run, _ = run_start(template=template)
 
     # then the run succeeds; verify went to exactly the gateways that flashed, fallback to
@@ -109,6 +121,11 @@ def test_later_steps_target_and_read_the_devices_that_succeeded_or_failed_in_a_f
     assert report["args"]["failed"] == sorted(bad)
     assert report["args"]["verified"] == sorted(good)
     assert report["args"]["note"] == "3 of 8 failed"
+    # and the run page names each step's target
+    client.force_login(User.objects.get(username="admin"))
+    timeline = client.get(f"/admin/jobs/jobrun/{run.pk}/timeline/").text
+    assert "devices that succeeded in step flash" in timeline
+    assert "devices that failed in step flash" in timeline
 
 
 def test_a_step_for_the_failed_devices_succeeds_when_none_failed(stack, simulator):
