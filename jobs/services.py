@@ -82,6 +82,10 @@ def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
         spec = {name: getattr(step, name) for name in PLAN_FIELDS}
         spec["device"] = step.device.name if step.device_id else ""
         spec["group"] = step.group.name if step.group_id else ""
+        if not spec["devices_from"]:
+            # Left out when unset, so the snapshots of templates saved before the field
+            # existed stay equal and their next run records no new version.
+            del spec["devices_from"]
         plan.append(spec)
     return plan
 

@@ -201,8 +201,9 @@ def _step_reference_problem(value, index: int, ordered: list, names: dict[str, i
 
 
 def devices_from_problem(source: Any) -> str:
-    """What is wrong with a step's `devices_from` on its own, or "" ({} is none)."""
-    if source == {}:
+    """What is wrong with a step's `devices_from` on its own, or "" ({} is none, and so is
+    an emptied admin field)."""
+    if source in ({}, None):
         return ""
     outcomes = ", ".join(DevicesFromOutcome.values)
     if (

@@ -99,6 +99,8 @@ def test_later_steps_target_and_read_the_devices_that_succeeded_or_failed_in_a_f
     # exactly those that did not, each as a fan-out row per device
     assert wait_for(lambda: finished(run)).status == RunStatus.SUCCEEDED, run.error
     assert row_devices(run, 0) == good | bad
+    # (the plan holds devices_from only where it is set: older templates' versions stay equal)
+    assert "devices_from" not in run.plan[0] and run.plan[2]["devices_from"]["outcome"] == "failed"
     assert row_devices(run, 1) == good
     assert row_devices(run, 2) == bad
     verify = StepRun.objects.filter(run=run, index=1)
