@@ -273,9 +273,15 @@ def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dic
         if spec_is_fanout(spec):
             current = run_current_row(rows)
             told = waiting.get(current.pk) if current is not None else None
-            lines[label] = (
-                _fanout_line(label, rows, spec, told) if rows else _not_started_line(run, label, spec)
-            )
+            if rows:
+                lines[label] = _fanout_line(label, rows, spec, told)
+            elif run.cursor > index:  # devices_from with no device of its outcome
+                what = f"{plan_step_target(spec)} {_step_action(spec)}"
+                lines[label] = _line(
+                    label, progress_bar(100), "succeeded", "0/0", what, _("no device to target")
+                )
+            else:
+                lines[label] = _not_started_line(run, label, spec)
         elif rows:
             lines.update(
                 (f"{label}/{row.pk}", _row_line(label, row, spec, waiting.get(row.pk))) for row in rows

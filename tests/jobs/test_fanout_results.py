@@ -7,6 +7,7 @@ import pytest
 from django.contrib.auth.models import User
 
 from devtools.simulator import DeviceBehaviour
+from jobs.cli import run_load, step_lines
 from jobs.models import JobRun, JobTemplate, Phase, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for
@@ -166,6 +167,8 @@ def test_a_step_for_the_failed_devices_succeeds_when_none_failed(stack, simulato
     report = [command for command in sim.received(hub.name) if command["action"] == "report"][-1]
     assert report["args"] == {"retried": 0}
     assert all(len([c for c in sim.received(name) if c["action"] == FLASH]) == 1 for name in good)
+    # and manage.py run_show says the step had no device to target
+    assert "no device to target" in step_lines(run_load(str(run.pk)))["#1"]
 
 
 def test_devices_from_naming_no_earlier_fan_out_is_refused_with_400(admin_api):
