@@ -385,8 +385,8 @@ def rollout_eta(
 
 def _fanout_at_cursor() -> RawSQL:
     """True for a run whose current step fans out (its plan entry at `cursor` targets a
-    group, labels, a selector or devices_from): read in SQL, so plans of other running runs never leave
-    the database."""
+    group, labels, a selector or devices_from): read in SQL, so plans of other running runs
+    never leave the database."""
     if connection.vendor == "postgresql":
         entry = "(jobs_jobrun.plan -> jobs_jobrun.cursor::int)"
         sql = (
