@@ -192,11 +192,26 @@ ABORT_CRITERIA_SCHEMA = {
         },
     },
 }
+# A step fanning out to the devices of an earlier fan-out step by outcome (jobs/validation.py
+# devices_from_problem checks the same; the step's name must be an earlier fan-out's): {} = none.
+DEVICES_FROM_SCHEMA = {
+    "type": "object",
+    "description": "The devices that succeeded or failed in an earlier fan-out step of the run, e.g. "
+    '{"step": "flash", "outcome": "succeeded"}; {} for none. "failed" counts failed, rejected, '
+    "timed out and canceled devices.",
+    "properties": {
+        "step": {"type": "string", "minLength": 1, "description": "The name of an earlier fan-out step."},
+        "outcome": {"type": "string", "enum": ["succeeded", "failed"]},
+    },
+    "additionalProperties": False,
+    "anyOf": [{"maxProperties": 0}, {"required": ["step", "outcome"]}],
+}
 STEP_JSON = {
     "args": JSON_OBJECT,
     "labels": STRING_LABELS,
     "compensation_args": JSON_OBJECT,
     "abort_criteria": ABORT_CRITERIA_SCHEMA,
+    "devices_from": DEVICES_FROM_SCHEMA,
 }
 
 JSON_OBJECT_PROPERTIES = {

@@ -319,6 +319,11 @@ IOTQUEUE_FOR_EACH_MAX_DEVICES = env.int("IOTQUEUE_FOR_EACH_MAX_DEVICES", default
 # Devices one fan-out step may address: its rows are written in one transaction when it
 # starts, and counted on every device's reply. A step matching more fails at once.
 IOTQUEUE_FANOUT_MAX_DEVICES = env.int("IOTQUEUE_FANOUT_MAX_DEVICES", default=100_000)
+# Devices a fan-out's per-device values may list in a later step's args ({{ steps.NAME.results }},
+# .errors, .succeeded, .failed): a command carries values, not a fleet inventory, and the
+# context is read for every step that references it. Past it the step fails naming the
+# setting; counts (.counts) and targeting by outcome (devices_from) have no such bound.
+IOTQUEUE_STEP_RESULTS_MAX_DEVICES = env.int("IOTQUEUE_STEP_RESULTS_MAX_DEVICES", default=1_000)
 # A run's parameters as compact JSON: stored on the run and rendered into every step's args;
 # like a device reply (IOTQUEUE_MAX_PAYLOAD_BYTES), values, not documents.
 IOTQUEUE_RUN_PARAMETERS_MAX_BYTES = env.int("IOTQUEUE_RUN_PARAMETERS_MAX_BYTES", default=64 * 1024)

@@ -26,6 +26,17 @@ class AbortCause(models.TextChoices):
     ANY = "any", _("Any of these")
 
 
+class DevicesFromOutcome(models.TextChoices):
+    SUCCEEDED = "succeeded", _("Devices that succeeded")
+    FAILED = "failed", _("Devices that failed, were rejected, timed out or were canceled")
+
+
+# What later steps' references may read of a fan-out step beside its `result` (one
+# device's): {{ steps.NAME.counts }} and the per-device values (jobs/engine/plan.py
+# fanout_values reads them).
+FANOUT_VALUES = ("results", "errors", "counts", "succeeded", "failed")
+
+
 class StepKind(models.TextChoices):
     COMMAND = "command", _("Send a command")
     DELAY = "delay", _("Wait a number of seconds")

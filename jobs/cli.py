@@ -24,6 +24,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from redis.exceptions import RedisError
 
+from .engine.plan import spec_is_fanout
 from .models import (
     STEP_IN_FLIGHT,
     STEP_TERMINAL,
@@ -270,12 +271,18 @@ def step_lines(run: JobRun, waiting: Mapping[int, Waiting] | None = None) -> dic
     lines = {}
     for index, spec in enumerate(run.plan):
         rows, label = forward.get(index, []), f"#{index}"
-        if spec.get("group") or spec.get("labels") or spec.get("selector"):
+        if spec_is_fanout(spec):
             current = run_current_row(rows)
             told = waiting.get(current.pk) if current is not None else None
-            lines[label] = (
-                _fanout_line(label, rows, spec, told) if rows else _not_started_line(run, label, spec)
-            )
+            if rows:
+                lines[label] = _fanout_line(label, rows, spec, told)
+            elif run.cursor > index:  # devices_from with no device of its outcome
+                what = f"{plan_step_target(spec)} {_step_action(spec)}"
+                lines[label] = _line(
+                    label, progress_bar(100), "succeeded", "0/0", what, _("no device to target")
+                )
+            else:
+                lines[label] = _not_started_line(run, label, spec)
         elif rows:
             lines.update(
                 (f"{label}/{row.pk}", _row_line(label, row, spec, waiting.get(row.pk))) for row in rows

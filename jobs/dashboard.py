@@ -37,6 +37,7 @@ from .choices import AbortCause, RolloutIncrementOn
 from .engine.fanout import CAUSE_STATUSES, RAMP_MAX_STEPS, RATE_WINDOW, abort_criteria, rollout_rate
 from .engine.plan import spec_is_fanout
 from .models import STEP_AT_WORK, STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from .services import devices_from_text
 
 log = logging.getLogger(__name__)
 
@@ -384,26 +385,30 @@ def rollout_eta(
 
 def _fanout_at_cursor() -> RawSQL:
     """True for a run whose current step fans out (its plan entry at `cursor` targets a
-    group, labels or a selector): read in SQL, so plans of other running runs never leave
-    the database."""
+    group, labels, a selector or devices_from): read in SQL, so plans of other running runs
+    never leave the database."""
     if connection.vendor == "postgresql":
         entry = "(jobs_jobrun.plan -> jobs_jobrun.cursor::int)"
         sql = (
             f"(coalesce({entry} ->> 'group', '') <> '' OR coalesce({entry} -> 'labels', '{{}}') <> '{{}}' "
-            f"OR coalesce({entry} ->> 'selector', '') <> '')"
+            f"OR coalesce({entry} ->> 'selector', '') <> '' "
+            f"OR coalesce({entry} -> 'devices_from', '{{}}') <> '{{}}')"
         )
     else:
         entry = "'$[' || jobs_jobrun.cursor || ']'"
         sql = (
             f"(coalesce(json_extract(jobs_jobrun.plan, {entry} || '.group'), '') <> '' "
             f"OR coalesce(json_extract(jobs_jobrun.plan, {entry} || '.labels'), '{{}}') <> '{{}}' "
-            f"OR coalesce(json_extract(jobs_jobrun.plan, {entry} || '.selector'), '') <> '')"
+            f"OR coalesce(json_extract(jobs_jobrun.plan, {entry} || '.selector'), '') <> '' "
+            f"OR coalesce(json_extract(jobs_jobrun.plan, {entry} || '.devices_from'), '{{}}') <> '{{}}')"
         )
     return RawSQL(sql, [], output_field=BooleanField())
 
 
 def _target(spec: Mapping[str, Any]) -> str:
-    """A fan-out's devices, for people: its group, labels or selector."""
+    """A fan-out's devices, for people: its group, labels, selector or earlier step's outcome."""
+    if spec.get("devices_from"):
+        return devices_from_text(spec["devices_from"])
     if spec.get("group"):
         return _("group %(group)s") % {"group": spec["group"]}
     if spec.get("labels"):

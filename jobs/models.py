@@ -72,7 +72,8 @@ class JobStep(models.Model):
         _("name"), max_length=128, blank=True, help_text=_("Lets later steps say {{ steps.NAME.result }}.")
     )
     kind = models.CharField(_("kind"), max_length=16, choices=StepKind.choices, default=StepKind.COMMAND)
-    # Target: exactly one of device, device_param, group, labels, selector (delay steps have none).
+    # Target: exactly one of device, device_param, group, labels, selector, devices_from (delay
+    # steps have none).
     device = models.ForeignKey(
         Device,
         on_delete=models.PROTECT,
@@ -246,6 +247,16 @@ class JobStep(models.Model):
         validators=[MaxValueValidator(OPEN_SECONDS_MAX)],
         help_text=_("A continuous fan-out closes this long after it started; empty = only by hand."),
     )
+    # Results that flow on: a fan-out over the devices of an earlier fan-out by outcome.
+    devices_from = models.JSONField(
+        _("devices from"),
+        default=dict,
+        blank=True,
+        help_text=_(
+            "Fan out to the devices that succeeded or failed in an earlier fan-out step of the run, "
+            'e.g. {"step": "flash", "outcome": "succeeded"}.'
+        ),
+    )
 
     class Meta:
         verbose_name = _("job step")
@@ -270,6 +281,8 @@ class JobStep(models.Model):
             return "labels " + ",".join(f"{k}={v}" for k, v in self.labels.items())
         if self.selector:
             return f"selector {self.selector}"
+        if self.devices_from:
+            return f"devices that {self.devices_from.get('outcome')} in step {self.devices_from.get('step')}"
         return "-"
 
 

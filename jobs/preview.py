@@ -21,7 +21,7 @@ from devices.locks import device_lock_states
 from devices.models import Device
 from devices.selectors import labels_requirements, selector_filter, selector_parse
 
-from .choices import StepKind
+from .choices import DevicesFromOutcome, StepKind
 from .engine.plan import FANOUT, spec_kind, step_target_name
 from .estimate import (
     TYPICAL_SAMPLE_ROWS,
@@ -188,7 +188,12 @@ def _devices_matching(spec: dict[str, Any]) -> list[TargetDevice]:
 
 def _steps_preview(plan: list[dict], parameters: dict[str, Any], *, template_id: int) -> list[dict[str, Any]]:
     """Each step's targets and estimate, the lock states of all of them read at once."""
-    targets = [_step_targets(spec, parameters) for spec in plan]
+    targets: list[tuple[list[TargetDevice], list[str]]] = []
+    for spec in plan:
+        if spec.get("devices_from"):
+            targets.append((_outcome_targets(spec["devices_from"], plan, targets), []))
+        else:
+            targets.append(_step_targets(spec, parameters))
     names = sorted({device.name for devices, _problems in targets for device in devices if device.enabled})
     states = device_lock_states(names) if names else {}
     for devices, _problems in targets:
@@ -231,6 +236,20 @@ def _step_targets(spec: dict[str, Any], parameters: dict[str, Any]) -> tuple[lis
     return devices, []
 
 
+def _outcome_targets(
+    source: dict[str, Any], plan: list[dict], earlier: list[tuple[list[TargetDevice], list[str]]]
+) -> list[TargetDevice]:
+    """A step targeting an earlier fan-out's devices by outcome, which only the run knows:
+    for `succeeded`, that step's enabled devices (as if all of them succeed: the most it
+    can be); for `failed`, none (as if none fails)."""
+    if source.get("outcome") != DevicesFromOutcome.SUCCEEDED:
+        return []
+    index = next(
+        (i for i, spec in enumerate(plan[: len(earlier)]) if spec.get("name") == source.get("step")), None
+    )
+    return [] if index is None else [device for device in earlier[index][0] if device.enabled]
+
+
 def _devices_named(name: str) -> list[TargetDevice]:
     return [TargetDevice(*row) for row in Device.objects.filter(name=name).values_list(*DEVICE_COLUMNS)]
 
@@ -245,7 +264,7 @@ def _step_preview(
         "name": spec.get("name") or "",
         "kind": kind,
         "action": spec.get("action") or "",
-        "target": plan_step_target(spec),
+        "target": _preview_target(spec),
         "devices": _devices_summary(devices, enabled),
         "flow_control": _flow_control(enabled),
         "limits": _limits(spec, kind, enabled, template_id=template_id),
@@ -254,6 +273,13 @@ def _step_preview(
         "problems": problems,
         "estimate": _step_estimate(spec, kind, enabled, failing=bool(problems)),
     }
+
+
+def _preview_target(spec: dict[str, Any]) -> str:
+    target = plan_step_target(spec)
+    if spec.get("devices_from"):  # counted as _outcome_targets says
+        return _("%(target)s (known when the step starts)") % {"target": target}
+    return target
 
 
 def _devices_summary(devices: list[TargetDevice], enabled: list[TargetDevice]) -> dict[str, Any]:

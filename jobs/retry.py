@@ -149,4 +149,4 @@ def _rows_carry(run: JobRun, retry: JobRun, start: int) -> int:
 
 
 def _is_fanout(spec: dict) -> bool:
-    return bool(spec.get("group") or spec.get("labels") or spec.get("selector"))
+    return bool(spec.get("group") or spec.get("labels") or spec.get("selector") or spec.get("devices_from"))

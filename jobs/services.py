@@ -15,6 +15,7 @@ from django.utils.translation import gettext as _
 from devices.selectors import selector_parse
 from iotqueue.text import text_problem
 
+from .choices import DevicesFromOutcome
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
@@ -69,6 +70,7 @@ PLAN_FIELDS = (
     "compensation_per_minute",
     "continuous",
     "open_seconds",
+    "devices_from",
 )
 
 
@@ -84,6 +86,10 @@ def template_plan(template: JobTemplate) -> list[dict[str, Any]]:
         spec = {name: getattr(step, name) for name in PLAN_FIELDS}
         spec["device"] = step.device.name if step.device_id else ""
         spec["group"] = step.group.name if step.group_id else ""
+        if not spec["devices_from"]:
+            # Left out when unset, so the snapshots of templates saved before the field
+            # existed stay equal and their next run records no new version.
+            del spec["devices_from"]
         plan.append(spec)
     return plan
 
@@ -135,7 +141,17 @@ def plan_step_target(spec: dict[str, Any]) -> str:
         return _("labels %(labels)s") % {"labels": labels}
     if spec.get("selector"):
         return _("selector %(selector)s") % {"selector": spec["selector"]}
+    if spec.get("devices_from"):
+        return devices_from_text(spec["devices_from"])
     return "-"
+
+
+def devices_from_text(devices_from: dict[str, Any]) -> str:
+    """A `devices_from` target for people: `devices that succeeded in step flash`."""
+    values = {"step": devices_from.get("step")}
+    if devices_from.get("outcome") == DevicesFromOutcome.FAILED:
+        return _("devices that failed in step %(step)s") % values
+    return _("devices that succeeded in step %(step)s") % values
 
 
 def run_start(

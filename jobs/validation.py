@@ -19,7 +19,14 @@ from devices.protocol import ACTION_RE, EXTEND_SECONDS_LIMIT
 from devices.selectors import selector_parse
 
 from . import templating
-from .choices import MAX_INCREMENT_FACTOR, OPEN_SECONDS_MAX, AbortCause, StepKind
+from .choices import (
+    FANOUT_VALUES,
+    MAX_INCREMENT_FACTOR,
+    OPEN_SECONDS_MAX,
+    AbortCause,
+    DevicesFromOutcome,
+    StepKind,
+)
 from .tasksteps import step_task_registered
 
 # What an args reference may start with.
@@ -27,8 +34,20 @@ REFERENCE_ROOTS = ("params", "steps", "run", "device")
 
 
 def _target_count(step) -> int:
-    targets = (step.device_id, step.device_param, step.group_id, step.labels, getattr(step, "selector", ""))
+    targets = (
+        step.device_id,
+        step.device_param,
+        step.group_id,
+        step.labels,
+        getattr(step, "selector", ""),
+        getattr(step, "devices_from", {}),
+    )
     return sum(bool(x) for x in targets)
+
+
+def _fans_out(step) -> bool:
+    """Whether a step fans out (jobs/engine/plan.py spec_is_fanout, on a step not yet saved)."""
+    return bool(step.group_id or step.labels or step.selector or getattr(step, "devices_from", {}))
 
 
 def step_errors(step) -> dict[str, str]:
@@ -50,8 +69,10 @@ def step_errors(step) -> dict[str, str]:
     if step.kind == StepKind.TASK:
         errors.update(_task_step_errors(step))
     elif targets != 1:
-        errors["device"] = _("Choose exactly one target: device, device_param, group, labels or selector.")
-    if step.kind == StepKind.WAIT_ONLINE and (step.group_id or step.labels or step.selector):
+        errors["device"] = _(
+            "Choose exactly one target: device, device_param, group, labels, selector or devices_from."
+        )
+    if step.kind == StepKind.WAIT_ONLINE and _fans_out(step):
         errors["group"] = _("wait_online waits for one device, not a group.")
     if step.kind == StepKind.COMMAND and not ACTION_RE.match(step.action or ""):
         errors["action"] = _("Use letters, digits and . _ / - only.")
@@ -70,6 +91,9 @@ def step_errors(step) -> dict[str, str]:
             selector_parse(step.selector)
         except ValueError as exc:
             errors["selector"] = _("Not a label selector: %(problem)s.") % {"problem": exc}
+    problem = devices_from_problem(getattr(step, "devices_from", {}))
+    if problem:
+        errors["devices_from"] = problem
     errors.update(rollout_errors(step))
     errors.update(continuous_errors(step))
     for field in ("args", "compensation_args"):
@@ -100,7 +124,7 @@ def step_errors(step) -> dict[str, str]:
 def _task_step_errors(step) -> dict[str, str]:
     """A task step: a registered task (and compensation task), on one device or none."""
     errors: dict[str, str] = {}
-    if step.group_id or step.labels or step.selector or _target_count(step) > 1:
+    if _fans_out(step) or _target_count(step) > 1:
         errors["device"] = _("A task step runs once: give a device, a device_param, or no target.")
     for field in ("action", "compensation_action"):
         name = getattr(step, field) or ""
@@ -138,6 +162,14 @@ def template_errors(steps: list[Any]) -> dict[str, dict[str, str]]:
                     "position": seen_names[step.name],
                 }
             seen_names[step.name] = step.position
+        source = getattr(step, "devices_from", None)
+        if source and "devices_from" not in own:
+            fanouts = {s.name for s in ordered[:index] if s.name and _fans_out(s)}
+            if source["step"] not in fanouts:
+                own["devices_from"] = _(
+                    "'%(step)s' is not an earlier fan-out step of this template (name a step before "
+                    "this one that targets a group, labels, a selector or devices_from)."
+                ) % {"step": source["step"]}
         for field in ("args", "compensation_args"):
             if field in own or not isinstance(getattr(step, field), dict):
                 continue
@@ -152,7 +184,8 @@ def template_errors(steps: list[Any]) -> dict[str, dict[str, str]]:
 def _step_reference_problem(value, index: int, ordered: list, names: dict[str, int], field: str) -> str:
     # A compensation runs after its own step succeeded, so it may use that step's result.
     limit = index + 1 if field == "compensation_args" else index
-    earlier = {str(i) for i in range(limit)} | {s.name for s in ordered[:limit] if s.name}
+    earlier = {str(i): s for i, s in enumerate(ordered[:limit])}
+    earlier.update({s.name: s for s in ordered[:limit] if s.name})
     for ref in templating.references(value):
         parts = ref.split(".")
         if parts[0] != "steps":
@@ -162,10 +195,38 @@ def _step_reference_problem(value, index: int, ordered: list, names: dict[str, i
             return _(
                 "{{ %(ref)s }}: '%(target)s' is not an earlier step (use its index from 0 or its name)"
             ) % {"ref": ref, "target": target}
-        if len(parts) > 2 and parts[2] != "result":
+        if len(parts) < 3 or parts[2] == "result":
+            continue
+        if not _fans_out(earlier[parts[1]]):
             return _(
                 "{{ %(ref)s }}: a step reference reads its result, e.g. steps.%(step)s.result.serial"
             ) % {"ref": ref, "step": parts[1]}
+        if parts[2] not in FANOUT_VALUES:
+            return _(
+                "{{ %(ref)s }}: a fan-out step's reference reads one of result, %(values)s, "
+                "e.g. steps.%(step)s.counts.failed"
+            ) % {"ref": ref, "values": ", ".join(FANOUT_VALUES), "step": parts[1]}
+    return ""
+
+
+def devices_from_problem(source: Any) -> str:
+    """What is wrong with a step's `devices_from` on its own, or "" ({} is none, and so is
+    an emptied admin field)."""
+    if source in ({}, None):
+        return ""
+    outcomes = ", ".join(DevicesFromOutcome.values)
+    if (
+        not isinstance(source, dict)
+        or set(source) != {"step", "outcome"}
+        or not isinstance(source["step"], str)
+        or not source["step"]
+        or source["outcome"] not in DevicesFromOutcome.values
+    ):
+        message = _(
+            'Use {"step": NAME, "outcome": OUTCOME}: the name of an earlier fan-out step, '
+            "and one of %(outcomes)s."
+        )
+        return message % {"outcomes": outcomes}
     return ""
 
 

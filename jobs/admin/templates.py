@@ -112,7 +112,7 @@ class JobStepInline(admin.StackedInline):
         (None, {"fields": [("position", "name", "kind"), ("action", "args")]}),
         (
             gettext_lazy("Target (exactly one)"),
-            {"fields": [("device", "device_param"), ("group", "labels", "selector")]},
+            {"fields": [("device", "device_param"), ("group", "labels", "selector"), ("devices_from",)]},
         ),
         (
             gettext_lazy("Timing and failure"),

@@ -1,4 +1,5 @@
-"""Fleet fan-out: one step sent to every device of a group or label selector.
+"""Fleet fan-out: one step sent to every device of a group or label selector (or to the
+devices that succeeded or failed in an earlier fan-out of the run: `devices_from`).
 
 The step expands into one row per device (status `pending`). The pump starts rows while
 the rollout rate (devices per minute, stepped up by an exponential ramp if the step has one)
@@ -42,7 +43,7 @@ from ..models import (
 )
 from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
-from .plan import FANOUT, fanout_devices, step_args
+from .plan import FANOUT, args_renderer, fanout_devices, fanout_target
 from .rollback import compensation_next
 from .start import StepRefused
 
@@ -165,7 +166,9 @@ def failure_reason(error: str, device: str | None) -> str:
 # undoes it on each device that succeeded (jobs/engine/fanout_rollback.py).
 @step_kind(FANOUT, batched_dispatch=True)
 def fanout_start(run: JobRun, index: int) -> None:
-    """Expand the step into one pending row per device, then pump; StepRefused when none."""
+    """Expand the step into one pending row per device, then pump; StepRefused when none
+    match (a step targeting an earlier fan-out's devices by outcome succeeds when there are
+    none, event `step.fanout_empty`)."""
     spec = run.plan[index]
     # Started before (a redelivered task; a continuous one may have no row yet): just pump.
     if spec.get("continuous") and ContinuousFanout.objects.filter(run=run, index=index).exists():
@@ -176,11 +179,18 @@ def fanout_start(run: JobRun, index: int) -> None:
             fanout_open(run=run, index=index)
         fanout_pump(run=run, index=index)
         return
-    target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")
+    target = fanout_target(spec)
     try:
-        devices = fanout_devices(spec)
+        devices = fanout_devices(spec, run)
     except ValueError as exc:
         raise StepRefused("", f"{target}: {exc}") from None
+    if not devices and spec.get("devices_from"):
+        # "Retry on the devices that failed" when none did is a success, not a refusal.
+        source = spec["devices_from"]
+        message = f"no device to target: no device {source['outcome']} in step {source['step']}"
+        event_record("step.fanout_empty", run=run, message=message, index=index, devices_from=source)
+        step_done_apply(str(run.pk), index, ok=True, status=StepStatus.SUCCEEDED, error="")
+        return
     # A continuous fan-out may start with no device: those that come to match it join.
     if not devices and not spec.get("continuous"):
         raise StepRefused("", f"no enabled device matches {target}")
@@ -190,9 +200,13 @@ def fanout_start(run: JobRun, index: int) -> None:
             "", f"{len(devices)} devices match {target}, more than IOTQUEUE_FANOUT_MAX_DEVICES ({limit})"
         )
     rows = []
+    try:
+        render = args_renderer(run, spec["args"])
+    except templating.TemplateError as exc:
+        raise StepRefused("", str(exc)) from None
     for device in devices:
         try:
-            args = step_args(run, spec["args"], device)
+            args = render(device)
         except templating.TemplateError as exc:
             raise StepRefused(device.name, str(exc)) from None
         rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))

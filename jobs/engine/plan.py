@@ -8,16 +8,19 @@ runs the step's compensation action), a for-each run (`device_param`) and a fan-
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Count
 
 from devices.locks import holder_name
 from devices.models import Device
 from devices.selectors import labels_requirements, selector_filter, selector_parse
 
 from .. import templating
+from ..choices import DevicesFromOutcome
 from ..models import JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
 
 # Run states in which steps may be dispatched (compensations run while compensating).
@@ -29,6 +32,28 @@ HOLDER_KIND = "step"
 LEASE_GRACE_SECONDS = 30.0
 # The step kind of a plan entry that fans out (`spec_kind`), beside models.StepKind.
 FANOUT = "fanout"
+# The row statuses of each outcome of a fan-out that later steps may target (`devices_from`)
+# or list ({{ steps.NAME.succeeded }}, .failed): "failed" is every row that ended without
+# success; skipped rows (not started: the rollout aborted first) are neither.
+OUTCOME_STATUSES = {
+    DevicesFromOutcome.SUCCEEDED: (StepStatus.SUCCEEDED,),
+    DevicesFromOutcome.FAILED: (
+        StepStatus.FAILED,
+        StepStatus.REJECTED,
+        StepStatus.TIMED_OUT,
+        StepStatus.CANCELED,
+    ),
+}
+# The per-device values and what each reads: (outcome, column); a list of device names when
+# the column is the name itself, else a mapping name -> column.
+FANOUT_LISTS = {
+    "results": (DevicesFromOutcome.SUCCEEDED, "result"),
+    "errors": (DevicesFromOutcome.FAILED, "error"),
+    "succeeded": (DevicesFromOutcome.SUCCEEDED, "device__name"),
+    "failed": (DevicesFromOutcome.FAILED, "device__name"),
+}
+# The keys of {{ steps.NAME.counts }} (outcome_counts).
+COUNT_KEYS = ("succeeded", "failed", "rejected", "timed_out", "canceled", "skipped", "unfinished", "total")
 
 
 def step_holder(step_run: StepRun) -> str:
@@ -55,6 +80,7 @@ def step_spec(step_run: StepRun) -> dict[str, Any]:
             "group": "",
             "labels": {},
             "selector": "",
+            "devices_from": {},
         }
     return spec
 
@@ -83,8 +109,9 @@ def spec_kind(spec: dict[str, Any]) -> str:
 
 
 def spec_is_fanout(spec: dict[str, Any]) -> bool:
-    """Whether a plan entry fans out: it targets a group, labels or a label selector."""
-    return bool(spec.get("group") or spec.get("labels") or spec.get("selector"))
+    """Whether a plan entry fans out: it targets a group, labels, a label selector, or the
+    devices of an earlier fan-out by outcome (`devices_from`)."""
+    return bool(spec.get("group") or spec.get("labels") or spec.get("selector") or spec.get("devices_from"))
 
 
 def is_task_row(step_run: StepRun) -> bool:
@@ -137,16 +164,32 @@ def queued_message(step_run: StepRun) -> str:
     return f"{step_run.device_name or 'task'} {step_run.action}"
 
 
-def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
-    """What {{ references }} in a step's args can read: params, earlier results, run, device."""
+def step_context(run: JobRun, device: Device | None = None, paths: list[str] | None = None) -> dict[str, Any]:
+    """What {{ references }} in a step's args can read: params, earlier results, run, device.
+
+    Only the steps that `paths` (reference paths) name are read (None: every step's result): the
+    `result` of each in one query, and of a fan-out step only the values referenced (its
+    `counts` one GROUP BY; `results`, `errors`, `succeeded`, `failed` one query each, at most
+    IOTQUEUE_STEP_RESULTS_MAX_DEVICES devices: fanout_values). Raises templating.TemplateError
+    when a referenced list is longer.
+    """
+    wanted = _steps_wanted(run.plan, paths)
+    # A fan-out's `result` is one device's: the query returns each of its rows, the last wins.
     results = dict(
-        StepRun.objects.filter(run=run, phase=Phase.FORWARD, status=StepStatus.SUCCEEDED).values_list(
-            "index", "result"
-        )
+        StepRun.objects.filter(
+            run=run,
+            phase=Phase.FORWARD,
+            status=StepStatus.SUCCEEDED,
+            index__in=[index for index, names in wanted.items() if "result" in names],
+        ).values_list("index", "result")
     )
     steps: dict[str, Any] = {}
     for index, spec in enumerate(run.plan):
+        if index not in wanted:
+            continue
         entry = {"result": results.get(index)}
+        if spec_is_fanout(spec):
+            entry.update(fanout_values(run, index, wanted[index]))
         steps[str(index)] = entry
         if spec.get("name"):
             steps[spec["name"]] = entry
@@ -156,6 +199,59 @@ def step_context(run: JobRun, device: Device | None = None) -> dict[str, Any]:
     return context
 
 
+def _steps_wanted(plan: list[dict[str, Any]], paths: list[str] | None) -> dict[int, set[str]]:
+    """Per step index, the values of it that `paths` read (`result`, `counts`, …); the
+    `result` of every step when `paths` is None."""
+    if paths is None:
+        return {index: {"result"} for index in range(len(plan))}
+    indexes = {str(index): index for index in range(len(plan))}
+    indexes.update({spec["name"]: index for index, spec in enumerate(plan) if spec.get("name")})
+    wanted: dict[int, set[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        if parts[0] == "steps" and len(parts) > 2 and parts[1] in indexes:
+            wanted.setdefault(indexes[parts[1]], set()).add(parts[2])
+    return wanted
+
+
+def fanout_values(run: JobRun, index: int, names: set[str]) -> dict[str, Any]:
+    """What later steps may read of the fan-out step at `index`, only the `names` asked for:
+
+    - `counts`: its rows by outcome (COUNT_KEYS), one GROUP BY;
+    - `results` (device name -> result, of the devices that succeeded), `errors` (device
+      name -> error, of those that failed), `succeeded` and `failed` (device names, in name
+      order): one query each, refused past IOTQUEUE_STEP_RESULTS_MAX_DEVICES devices.
+    """
+    rows = StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=index)
+    values: dict[str, Any] = {}
+    if "counts" in names:
+        by_status = dict(rows.order_by().values_list("status").annotate(n=Count("pk")))
+        values["counts"] = outcome_counts(by_status)
+    limit = settings.IOTQUEUE_STEP_RESULTS_MAX_DEVICES
+    for name, (outcome, column) in FANOUT_LISTS.items():
+        if name not in names:
+            continue
+        chosen = rows.filter(status__in=OUTCOME_STATUSES[outcome], device__isnull=False)
+        found = list(chosen.order_by("device__name").values_list("device__name", column)[: limit + 1])
+        if len(found) > limit:
+            step = run.plan[index].get("name") or index
+            raise templating.TemplateError(
+                f"{{{{ steps.{step}.{name} }}}} has more than {limit} devices "
+                "(IOTQUEUE_STEP_RESULTS_MAX_DEVICES): read its counts, or target the devices "
+                "with devices_from"
+            )
+        values[name] = [device for device, _ in found] if column == "device__name" else dict(found)
+    return values
+
+
+def outcome_counts(by_status: dict[str, int]) -> dict[str, int]:
+    """A fan-out's rows by outcome ({{ steps.NAME.counts }}): one key per ending status,
+    `unfinished` for rows not ended (pending, or at work after an abort), and `total`."""
+    ended = {key: by_status.get(key, 0) for key in COUNT_KEYS if key not in ("unfinished", "total")}
+    total = sum(by_status.values())
+    return {**ended, "unfinished": total - sum(ended.values()), "total": total}
+
+
 def step_args(run: JobRun, args: dict[str, Any], device: Device | None) -> dict[str, Any]:
     """Args with their references resolved; no context is read when there are none.
 
@@ -163,15 +259,32 @@ def step_args(run: JobRun, args: dict[str, Any], device: Device | None) -> dict[
     more than IOTQUEUE_COMMAND_MAX_BYTES as JSON (checked while rendering, before any row
     holds them: the step is refused and its run fails at once, saying so).
     """
+    return args_renderer(run, args)(device)
+
+
+def args_renderer(run: JobRun, args: dict[str, Any]) -> Callable[[Device | None], dict[str, Any]]:
+    """step_args for many devices (a fan-out's rows): the earlier steps' values the args
+    reference are read once, at the first device, not once per device."""
     limit = settings.IOTQUEUE_COMMAND_MAX_BYTES
-    if not templating.references(args):
+    paths = templating.references(args)
+    if not paths:
         size = templating.json_size(args)
         if size > limit:
             raise templating.TemplateError(
                 f"the args take {size} bytes, more than {limit} (IOTQUEUE_COMMAND_MAX_BYTES)"
             )
-        return args
-    return templating.render(args, step_context(run, device), limit=limit)
+        return lambda device: args
+    read: dict[str, Any] = {}
+
+    def render(device: Device | None) -> dict[str, Any]:
+        if not read:
+            read.update(step_context(run, paths=paths))
+        context = dict(read)
+        if device is not None:
+            context["device"] = {"name": device.name, "labels": device.labels}
+        return templating.render(args, context, limit=limit)
+
+    return render
 
 
 def step_target_name(run: JobRun, spec: dict[str, Any]) -> tuple[str | None, str]:
@@ -197,14 +310,41 @@ def step_target(
     return device, ""
 
 
-def fanout_devices(spec: dict[str, Any]) -> list[Device]:
+def fanout_devices(spec: dict[str, Any], run: JobRun | None = None) -> list[Device]:
     """Enabled devices of the step's group, or that its labels and label selector match,
-    as they are now (a fan-out step calls this when it starts).
+    as they are now (a fan-out step calls this when it starts); for a step with
+    `devices_from`, the enabled devices of `run`'s earlier fan-out step with that outcome.
 
-    Raises ValueError when the selector does not parse (a plan written before validation).
+    Raises ValueError when the selector does not parse, or `devices_from` names no fan-out
+    step of the run (a plan written before validation).
     """
     devices = Device.objects.filter(enabled=True).order_by("name")
+    if spec.get("devices_from"):
+        return list(devices.filter(pk__in=outcome_rows(run, spec["devices_from"]).values("device_id")))
     if spec.get("group"):
         devices = devices.filter(groups__name=spec["group"])
     requirements = labels_requirements(spec.get("labels") or {}) + selector_parse(spec.get("selector") or "")
     return list(selector_filter(devices, requirements))
+
+
+def outcome_rows(run: JobRun | None, devices_from: dict[str, Any]):
+    """The rows of `run`'s fan-out step named `devices_from["step"]` that ended with
+    `devices_from["outcome"]` (OUTCOME_STATUSES). Raises ValueError when the run has no
+    such fan-out step."""
+    name, outcome = devices_from.get("step"), devices_from.get("outcome")
+    plan = run.plan if run is not None else []
+    index = next((i for i, spec in enumerate(plan) if name and spec.get("name") == name), None)
+    if index is None or not spec_is_fanout(plan[index]) or outcome not in OUTCOME_STATUSES:
+        raise ValueError(f"no fan-out step {name!r} with outcome {outcome!r} in the run")
+    return StepRun.objects.filter(
+        run=run, phase=Phase.FORWARD, index=index, status__in=OUTCOME_STATUSES[outcome]
+    )
+
+
+def fanout_target(spec: dict[str, Any]) -> str:
+    """A fan-out's target as the engine's messages name it: `labels {...}`, `devices that
+    succeeded in step flash`."""
+    if spec.get("devices_from"):
+        source = spec["devices_from"]
+        return f"devices that {source.get('outcome')} in step {source.get('step')}"
+    return next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")

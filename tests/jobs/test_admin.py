@@ -217,7 +217,7 @@ def test_bad_step_errors_show_on_the_step_fields(client, boss):
     assert response.status_code == 200
     forms = response.context["inline_admin_formsets"][0].formset.forms
     assert forms[0].errors["device"] == [
-        "Choose exactly one target: device, device_param, group, labels or selector."
+        "Choose exactly one target: device, device_param, group, labels, selector or devices_from."
     ]
     assert forms[1].errors["delay_seconds"] == ["A delay step needs delay_seconds > 0."]
     assert forms[2].errors["action"] == ["Use letters, digits and . _ / - only."]

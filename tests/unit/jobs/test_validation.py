@@ -169,3 +169,99 @@ def test_max_extend_seconds_is_bounded_to_a_week():
     assert "max_extend_seconds" not in step_errors(step(max_extend_seconds=0))
     errors = step_errors(step(max_extend_seconds=8 * 24 * 3600))
     assert errors["max_extend_seconds"].startswith("Give 0 to 604800 seconds")
+
+
+def fanout(position: int, name: str = "", **fields) -> JobStep:
+    """An unsaved fan-out step over a label."""
+    return step(position, name=name, device_id=None, labels={"kind": "gateway"}, **fields)
+
+
+def test_a_step_may_target_the_devices_of_an_earlier_fan_out_by_outcome():
+    # given a flash to every gateway, a verify on those that flashed, a retry on the others
+    steps = [
+        fanout(0, "flash", action="firmware/flash"),
+        step(1, name="verify", device_id=None, devices_from={"step": "flash", "outcome": "succeeded"}),
+        step(2, device_id=None, devices_from={"step": "verify", "outcome": "failed"}),
+    ]
+
+    # then it is valid: a step with devices_from is a fan-out itself, so a later one may use it
+    assert template_errors(steps) == {}
+
+
+@pytest.mark.parametrize(
+    "devices_from",
+    [
+        {"step": "flash"},
+        {"step": "flash", "outcome": "skipped"},
+        {"step": "", "outcome": "failed"},
+        {"step": 0, "outcome": "failed"},
+        {"step": "flash", "outcome": "failed", "wave": 1},
+        ["flash", "failed"],
+    ],
+)
+def test_devices_from_takes_a_step_name_and_an_outcome(devices_from):
+    errors = step_errors(step(device_id=None, devices_from=devices_from))
+
+    assert errors["devices_from"].startswith('Use {"step": NAME, "outcome": OUTCOME}')
+    assert "succeeded, failed" in errors["devices_from"]
+
+
+@pytest.mark.parametrize(
+    ("source", "position"),
+    [
+        ("check", 1),  # an earlier step that is not a fan-out
+        ("retry", 1),  # a later fan-out
+        ("verify", 1),  # itself
+        ("nothing", 1),  # no such step
+    ],
+)
+def test_devices_from_names_an_earlier_fan_out_step_of_the_template(source, position):
+    # given a single-device step, the step under test, then a later fan-out
+    steps = [
+        step(0, name="check"),
+        step(position, name="verify", device_id=None, devices_from={"step": source, "outcome": "succeeded"}),
+        fanout(2, "retry"),
+    ]
+
+    # then the field says which step it names and what it must be
+    message = template_errors(steps)[f"step {position}"]["devices_from"]
+    assert message.startswith(f"'{source}' is not an earlier fan-out step of this template")
+
+
+def test_devices_from_is_one_target_among_the_others():
+    # a step with devices_from and a device, or a task or wait_online step with it, is refused
+    both = step(devices_from={"step": "flash", "outcome": "failed"})
+    assert step_errors(both)["device"].startswith("Choose exactly one target")
+    waiting = step(kind=StepKind.WAIT_ONLINE, device_id=None, devices_from={"step": "a", "outcome": "failed"})
+    assert "device" not in step_errors(waiting) and "group" in step_errors(waiting)
+
+
+def test_a_fan_out_steps_results_counts_and_device_lists_may_be_read_by_later_steps():
+    # given a report after a fan-out, reading what the fan-out offers beside its result
+    report = step(
+        1,
+        args={
+            "counts": "{{ steps.flash.counts }}",
+            "failed": "{{ steps.flash.failed }}",
+            "ok": "{{ steps.0.succeeded }}",
+            "versions": "{{ steps.flash.results }}",
+            "why": "{{ steps.flash.errors.gw-7 }}",
+            "failures": "{{ steps.flash.counts.failed }} failed",
+        },
+    )
+
+    # then it is valid
+    assert template_errors([fanout(0, "flash"), report]) == {}
+
+
+@pytest.mark.parametrize(
+    ("reference", "problem"),
+    [
+        ("steps.check.counts", "a step reference reads its result"),  # not a fan-out
+        ("steps.flash.rows", "a fan-out step's reference reads one of result, results, errors, counts"),
+    ],
+)
+def test_a_fan_outs_values_are_read_only_of_a_fan_out(reference, problem):
+    steps = [step(0, name="check"), fanout(1, "flash"), step(2, args={"x": f"{{{{ {reference} }}}}"})]
+
+    assert problem in template_errors(steps)["step 2"]["args"]
