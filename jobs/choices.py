@@ -41,3 +41,24 @@ DEFAULT_MAX_EXTEND_SECONDS = 3600
 # The largest rollout increment factor: AWS IoT Jobs' exponentialRate allows 1.1 to 5; past
 # that a ramp reaches any fleet size within a couple of step-ups and is no ramp at all.
 MAX_INCREMENT_FACTOR = 5.0
+
+
+# Waves with gates (jobs/engine/waves.py).
+class WaveGate(models.TextChoices):
+    AUTO = "auto", _("Go on by itself")
+    APPROVAL = "approval", _("Wait for an operator's approval")
+    WEBHOOK = "webhook", _("Ask a webhook")
+
+
+class WaveOnFail(models.TextChoices):
+    PAUSE = "pause", _("Pause the rollout")
+    ABORT = "abort", _("Abort the rollout")
+
+
+class RolloutState(models.TextChoices):
+    RUNNING = "running", _("Running")
+    SOAKING = "soaking", _("Soaking")
+    AWAITING_APPROVAL = "awaiting_approval", _("Awaiting approval")
+    AWAITING_WEBHOOK = "awaiting_webhook", _("Awaiting the webhook")
+    PAUSED = "paused", _("Paused")
+    ENDED = "ended", _("Ended")

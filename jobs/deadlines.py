@@ -6,6 +6,7 @@ answer in time), `retry` (back-off over: queue again), `send` (the command was c
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
 rate allows starting more devices; the member names a row of the fan-out not yet started),
+`soak` (a fan-out wave's soak time is over; the member names the next wave's first row),
 `run` (a run's max_duration is over; the member names the run by its UUID, not a step row).
 
 The set is sharded like the device locks (devices/locks.py) and lives with them (on
@@ -36,7 +37,7 @@ from redis.commands.core import Script
 from devices.locks import fair_shares, lock_shard, lock_shards, scripts_call, shard_key
 from iotqueue.redis_conn import lock_redis_connection, redis_key
 
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run")
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "soak", "run")
 # Kinds whose member names a run (its UUID) instead of a step row.
 RUN_KINDS = ("run",)
 # Kinds kept in the shard of the step's device (the lock scripts write some of them).

@@ -300,6 +300,7 @@ ROLLOUT_FIELDS = (
     "success_percent",
     "abort_failure_percent",
     "abort_criteria",
+    "waves",
 )
 
 

@@ -12,7 +12,8 @@ from devices.selectors import selector_parse
 from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
 
-from .models import JobRun, JobTemplate, RunEvent, StepRun
+from .models import JobRun, JobTemplate, Rollout, RunEvent, StepRun
+from .rollouts import REASON_MAX_LENGTH, rollout_waves
 from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
@@ -180,6 +181,59 @@ class RunEventSerializer(serializers.ModelSerializer):
         fields = ["created_at", "kind", "device", "message", "data"]
 
 
+class RolloutWaveSerializer(serializers.Serializer):
+    """One wave of a rollout as it stands (its spec's condition and gate keys besides)."""
+
+    number = serializers.IntegerField(help_text="The wave's number, from 1.")
+    size = serializers.IntegerField(help_text="How many devices the wave has.")
+    label = serializers.CharField(help_text='A by_label wave\'s label value ("region=eu"); "" otherwise.')
+    where = serializers.ChoiceField(
+        choices=["done", "open", "next"], help_text="done, open (its devices may start) or next (to come)."
+    )
+    counts = serializers.DictField(
+        child=serializers.IntegerField(), help_text="The wave's devices by status."
+    )
+    gate = serializers.CharField(required=False, help_text="auto (default), approval or webhook.")
+    min_succeeded_percent = serializers.IntegerField(required=False)
+    max_failed_percent = serializers.IntegerField(required=False)
+    on_fail = serializers.CharField(required=False, help_text="pause (default) or abort.")
+    soak_seconds = serializers.IntegerField(required=False)
+    webhook_url = serializers.CharField(required=False)
+
+
+class RolloutSerializer(serializers.ModelSerializer):
+    """Where a fan-out in waves stands: its open wave, state and who decided last."""
+
+    step = serializers.IntegerField(source="index", help_text="The fan-out step's index, from 0.")
+    wave = serializers.SerializerMethodField(help_text="The open wave's number, from 1.")
+    waves = serializers.SerializerMethodField(help_text="Every wave with its devices counted by status.")
+
+    class Meta:
+        model = Rollout
+        fields = ["step", "wave", "state", "reason", "decided_by", "soak_until", "updated_at", "waves"]
+
+    def get_wave(self, rollout: Rollout) -> int:
+        return rollout.wave + 1
+
+    @extend_schema_field(RolloutWaveSerializer(many=True))
+    def get_waves(self, rollout: Rollout) -> list[dict]:
+        return rollout_waves(rollout)
+
+
+class RolloutActionSerializer(serializers.Serializer):
+    """The body of POST /api/runs/<id>/rollout/<action>/ (both fields optional)."""
+
+    step = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=32767,
+        help_text="The fan-out step's index (default: the latest).",
+    )
+    reason = serializers.CharField(
+        required=False, allow_blank=True, max_length=REASON_MAX_LENGTH, help_text="Why, for the timeline."
+    )
+
+
 class RunSerializer(serializers.ModelSerializer):
     template = serializers.CharField(source="template.name")
     url = serializers.HyperlinkedIdentityField(view_name="run-detail")
@@ -249,8 +303,12 @@ class RunDetailSerializer(RunSerializer):
         view_name="run-events", help_text="The run's whole timeline, paged, oldest first."
     )
 
+    rollouts = RolloutSerializer(
+        many=True, read_only=True, help_text="The run's fan-outs in waves (jobs: waves and gates)."
+    )
+
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "events", "events_total", "events_url"]
+        fields = [*RunSerializer.Meta.fields, "events", "events_total", "events_url", "rollouts"]
 
     @extend_schema_field(RunEventSerializer(many=True))
     def get_events(self, run: JobRun) -> list[dict]:

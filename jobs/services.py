@@ -65,6 +65,7 @@ PLAN_FIELDS = (
     "rollout_increment_on",
     "rollout_max_per_minute",
     "success_percent",
+    "waves",
 )
 
 

@@ -134,6 +134,7 @@ class JobStepInline(admin.StackedInline):
                     ("rollout_max_per_minute",),
                     ("abort_failure_percent", "abort_min_devices", "success_percent"),
                     ("abort_criteria",),
+                    ("waves",),
                 ],
             },
         ),
