@@ -22,11 +22,13 @@ from devices.selectors import labels_requirements, selector_filter, selector_par
 
 from .choices import StepKind
 from .engine.plan import FANOUT, spec_kind, step_target_name
+from .engine.waves import waves_expand
 from .estimate import (
     TYPICAL_SAMPLE_ROWS,
     fanout_finish_seconds,
     row_timing,
     typical_seconds,
+    waves_finish_seconds,
 )
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
 from .parameters import parameters_problem
@@ -40,7 +42,15 @@ PREVIEW_MAX_DEVICES = 100
 # first tick after it is due, half a tick later on average.
 DEADLINE_LATENESS_TICKS = 0.5
 # The columns a preview reads of each targeted device (one query per step).
-DEVICE_COLUMNS = ("name", "enabled", "online", "presence_required", "min_interval_seconds", "max_per_minute")
+DEVICE_COLUMNS = (
+    "name",
+    "enabled",
+    "online",
+    "presence_required",
+    "min_interval_seconds",
+    "max_per_minute",
+    "labels",
+)
 
 
 @dataclass
@@ -53,6 +63,7 @@ class TargetDevice:
     presence_required: bool
     min_interval_seconds: float
     max_per_minute: int
+    labels: dict[str, str] = field(default_factory=dict)  # a fan-out in waves by_label splits on them
     holder: str | None = None
     queue: list[str] = field(default_factory=list)
 
@@ -102,6 +113,8 @@ def run_preview(
             "seconds": total,
             "finish_at": now + timedelta(seconds=total) if total is not None else None,
             "steps_in_sequence": True,
+            # Waves whose gate waits for an operator: their time is not in the estimate.
+            "approval_gates": sum(step["estimate"].get("approval_gates", 0) for step in steps),
         },
         "problems": [
             _("step %(index)d: %(problem)s") % {"index": step["index"], "problem": p}
@@ -337,6 +350,20 @@ def _step_estimate(
         for device in enabled
     ]
     timed_out = sum(not row.succeeds for row in rows)
+    if kind == FANOUT and spec.get("waves"):
+        assigned, waves = waves_expand(spec["waves"], enabled)
+        waved = waves_finish_seconds(
+            spec, rows, assigned, waves, deadline_lateness=DEADLINE_LATENESS_TICKS * monitor_interval()
+        )
+        return {
+            "seconds": waved.seconds,
+            "method": "waves_replay",
+            "rows_timing_out": timed_out,
+            "waves": waved.waves,
+            "soak_seconds": waved.soak_seconds,
+            "approval_gates": waved.approval_gates,
+            **base,
+        }
     if kind == FANOUT:
         seconds = fanout_finish_seconds(
             spec, rows, deadline_lateness=DEADLINE_LATENESS_TICKS * monitor_interval()

@@ -378,9 +378,18 @@ class PreviewFlowControlSerializer(serializers.Serializer):
 class PreviewStepEstimateSerializer(serializers.Serializer):
     seconds = serializers.FloatField(allow_null=True, help_text="null: no estimate (the step would fail).")
     method = serializers.ChoiceField(
-        choices=["fails_at_start", "delay", "typical", "queue_then_typical", "rollout_replay"],
+        choices=[
+            "fails_at_start",
+            "delay",
+            "typical",
+            "queue_then_typical",
+            "rollout_replay",
+            "waves_replay",
+        ],
         help_text="rollout_replay: the fan-out's pumps replayed with the engine's rate, ramp and "
-        "max-in-flight arithmetic; queue_then_typical: the commands ahead, then one typical duration.",
+        "max-in-flight arithmetic; waves_replay: the same for each wave of a fan-out in waves, one "
+        "after the other, with their soak times; queue_then_typical: the commands ahead, then one "
+        "typical duration.",
     )
     typical_seconds = serializers.FloatField(allow_null=True)
     typical_source = serializers.ChoiceField(
@@ -391,6 +400,15 @@ class PreviewStepEstimateSerializer(serializers.Serializer):
     queue_timeout_seconds = serializers.IntegerField(required=False)
     rows_timing_out = serializers.IntegerField(
         required=False, help_text="Rows expected to time out in the queue (offline, or too much ahead)."
+    )
+    waves = serializers.IntegerField(required=False, help_text="A fan-out in waves: how many waves.")
+    soak_seconds = serializers.IntegerField(
+        required=False, help_text="A fan-out in waves: the soak times between waves, included in seconds."
+    )
+    approval_gates = serializers.IntegerField(
+        required=False,
+        help_text="A fan-out in waves: gates that wait for an operator's approval; their time is not "
+        "in seconds (add the time approvals take).",
     )
 
 
@@ -411,6 +429,10 @@ class PreviewEstimateSerializer(serializers.Serializer):
     seconds = serializers.FloatField(allow_null=True, help_text="The steps' estimates added up.")
     finish_at = serializers.DateTimeField(allow_null=True)
     steps_in_sequence = serializers.BooleanField()
+    approval_gates = serializers.IntegerField(
+        help_text="Gates of fan-outs in waves that wait for an operator: the finish is later by the "
+        "time approvals take."
+    )
 
 
 class PreviewForEachSerializer(serializers.Serializer):

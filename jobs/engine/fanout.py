@@ -483,6 +483,7 @@ def _wave_end(*, run: JobRun, index: int, rollout: Rollout, rows) -> bool:
         wave=rollout.wave + 1,
         by_status=dict(by_status),
         passed=passed,
+        by="auto",
     )
     if not passed and wave_aborts(wave):
         rollout.save()

@@ -95,6 +95,9 @@ def test_a_canary_waits_for_approval_a_failing_wave_pauses_and_resume_finishes(s
     body = admin_api.get(f"/api/runs/{run.pk}/").json()
     assert body["rollouts"][0]["state"] == "awaiting_approval"
     assert [w["where"] for w in body["rollouts"][0]["waves"]] == ["open", "next", "next"]
+    # and the run says why it waits
+    assert body["waiting"]["reason"] == "rollout_gate"
+    assert "awaiting approval of wave 2" in body["waiting"]["message"]
 
     # when the release manager approves through REST (resume does not apply: 409)
     assert admin_api.post(f"/api/runs/{run.pk}/rollout/resume/", {}, format="json").status_code == 409
@@ -110,6 +113,10 @@ def test_a_canary_waits_for_approval_a_failing_wave_pauses_and_resume_finishes(s
     assert set(rows_of_wave(run, 3).values_list("status", flat=True)) == {StepStatus.PENDING}
     assert not any(sim.received(f"{label}-{i:02d}") for i in range(6, 20))
     assert rollout_of(run).state == "paused"
+    waiting = admin_api.get(f"/api/runs/{run.pk}/").json()["waiting"]
+    assert (
+        waiting["reason"] == "rollout_paused" and "paused by auto: wave 2 of 3 failed" in waiting["message"]
+    )
 
     # when an operator resumes it, the rest goes out and the step succeeds (19 of 20 >= 90 %)
     resumed = admin_api.post(
@@ -300,3 +307,25 @@ def test_the_run_page_and_the_dashboard_show_the_waves_and_their_gate_buttons_wo
     # and a button that no longer applies says so instead of acting
     again = client.post(f"/admin/jobs/jobrun/{run.pk}/rollout/approve/?step=0", follow=True)
     assert "no longer at this fan-out" in again.text
+
+
+def test_the_preview_of_a_rollout_in_waves_adds_the_soaks_and_names_the_approval_gates(stack, admin_api):
+    label = f"wprev-{uuid.uuid4().hex[:6]}"
+    for i in range(10):
+        DeviceFactory(name=f"{label}-{i:02d}", labels={"kind": label, "region": "eu" if i % 2 else "us"})
+    waves = [
+        {"count": 1, "gate": "approval", "soak_seconds": 600},
+        {"percent": 10, "max_failed_percent": 2, "soak_seconds": 300},
+        {"by_label": "region", "gate": "approval"},
+    ]
+    step = JobStepFactory(device=None, labels={"kind": label}, action=ACTION, waves=waves)
+
+    response = admin_api.post("/api/runs/preview/", {"template": step.template.name}, format="json")
+
+    assert response.status_code == 200, response.content
+    estimate = response.json()["steps"][0]["estimate"]
+    # canary, 10 %, then one wave per region (eu, us): 4 waves; the last gate opens nothing
+    assert (estimate["method"], estimate["waves"], estimate["soak_seconds"]) == ("waves_replay", 4, 900)
+    assert estimate["approval_gates"] == 2
+    assert estimate["seconds"] >= 900
+    assert response.json()["estimate"]["approval_gates"] == 2

@@ -131,3 +131,26 @@ def test_valid_waves_pass_and_need_a_fan_out_target():
     assert "waves" not in step_errors(fanout)
     single = JobStep(position=0, device_id=1, action="firmware/flash", waves=waves)
     assert "fan-out" in step_errors(single)["waves"]
+
+
+def test_an_estimate_in_waves_adds_each_wave_and_the_soaks_and_counts_the_approval_gates():
+    from jobs.estimate import RowTiming, fanout_finish_seconds, waves_finish_seconds
+
+    # given 10 devices of 2 s each, at most 2 at once, in a canary of 1 (soak 60 s, approval),
+    # then 4, then the rest
+    spec = {"max_in_flight": 2}
+    specs = [
+        {"count": 1, "soak_seconds": 60, "gate": "approval"},
+        {"count": 4, "gate": "auto"},
+        {"rest": True},
+    ]
+    assigned, waves = waves_expand(specs, fleet(10))
+    rows = [RowTiming(2.0)] * 10
+
+    estimate = waves_finish_seconds(spec, rows, assigned, waves)
+
+    # then each wave takes what it would alone (1 row: 2 s, 4 rows: 4 s, 5 rows: 6 s), plus the soak
+    assert estimate.seconds == 2 + 4 + 6 + 60
+    assert (estimate.waves, estimate.soak_seconds, estimate.approval_gates) == (3, 60, 1)
+    # and without waves the same fan-out takes less: waves wait for each other
+    assert fanout_finish_seconds(spec, rows) == 10
