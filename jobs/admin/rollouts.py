@@ -19,6 +19,10 @@ from .display import run_url
 COUNT_ORDER = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT)
 
 
+def _count_rank(status: str) -> tuple[int, str]:
+    return (COUNT_ORDER.index(status) if status in COUNT_ORDER else len(COUNT_ORDER), status)
+
+
 def wave_rule_text(wave: dict[str, Any]) -> str:
     """A wave's condition, soak and what a failure does, for people: "≤ 2% failed, soak 600 s"."""
     parts = []
@@ -48,14 +52,16 @@ def rollouts_view(run: JobRun) -> list[dict[str, Any]]:
     shown = []
     for rollout in Rollout.objects.filter(run=run).order_by("index"):
         waves = []
-        for wave in rollout_waves(rollout):
-            counts = sorted(wave["counts"].items(), key=lambda item: (item[0] not in COUNT_ORDER, item[0]))
+        listed = rollout_waves(rollout)
+        for wave in listed:
+            counts = sorted(wave["counts"].items(), key=lambda item: _count_rank(item[0]))
             labels = dict(StepStatus.choices)
             waves.append(
                 {
                     **wave,
                     "rule": wave_rule_text(wave),
-                    "gate_text": wave_gate_text(wave),
+                    # The last wave's gate opens nothing.
+                    "gate_text": wave_gate_text(wave) if wave["number"] < len(listed) else "-",
                     "count_list": [(status, labels.get(status, status), n) for status, n in counts],
                 }
             )
