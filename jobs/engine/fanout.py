@@ -50,8 +50,11 @@ from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, fanout_devices, step_args
 from .start import StepRefused
-from .waves import wave_aborts, wave_gate, wave_name, wave_verdict, waves_expand
+from .waves import WAVES_EXPANDED_MAX, wave_aborts, wave_gate, wave_name, wave_verdict, waves_expand
 
+# The wave of a retry's carried rows (succeeded in the run it retries): past any real wave
+# (a rollout has at most WAVES_EXPANDED_MAX), so no wave's condition counts them.
+CARRIED_WAVE = 32767
 # The task that asks a wave's webhook gate (webhooks/tasks.py), named so the engine does not
 # import the webhooks app.
 WAVE_GATE_TASK = "webhooks.wave_gate"
@@ -177,7 +180,9 @@ def failure_reason(error: str, device: str | None) -> str:
 def fanout_start(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none."""
     spec = run.plan[index]
-    if _rows(run, index).exists():  # started before (a redelivered task): just pump
+    if _rows(run, index).exists():  # started before (a redelivered task, or a retry's rows): pump
+        if spec.get("waves") and _rollout(run, index) is None:
+            _waves_split_written(run, index)
         fanout_pump(run=run, index=index)
         return
     target = next((f"{name} {spec[name]}" for name in ("group", "labels", "selector") if spec.get(name)), "")
@@ -193,6 +198,10 @@ def fanout_start(run: JobRun, index: int) -> None:
             "", f"{len(devices)} devices match {target}, more than IOTQUEUE_FANOUT_MAX_DEVICES ({limit})"
         )
     assigned, waves = waves_expand(spec.get("waves") or [], devices)
+    if len(waves) > WAVES_EXPANDED_MAX:
+        raise StepRefused(
+            "", f"{target}: the waves split into {len(waves)} waves, more than {WAVES_EXPANDED_MAX}"
+        )
     rows = []
     for device, wave in zip(devices, assigned, strict=True):
         try:
@@ -210,6 +219,24 @@ def fanout_start(run: JobRun, index: int) -> None:
         message = f"{wave_name(0, waves)}: {waves[0]['size']} devices"
         event_record("wave.started", run=run, message=message, index=index, wave=1, by="auto")
     fanout_pump(run=run, index=index)
+
+
+def _waves_split_written(run: JobRun, index: int) -> None:
+    """A retry wrote the rows (jobs/retry.py: the devices that did not succeed, and the
+    successes it carries): split the devices that run again into the step's waves, a canary
+    of them first. The carried rows go to CARRIED_WAVE, which no wave's condition counts."""
+    spec = run.plan[index]
+    rows = _rows(run, index)
+    rows.exclude(status=StepStatus.PENDING).update(wave=CARRIED_WAVE)
+    pending = list(rows.filter(status=StepStatus.PENDING).select_related("device").order_by("device__name"))
+    assigned, waves = waves_expand(spec["waves"], [row.device for row in pending])
+    for number in range(1, len(waves)):
+        rows.filter(
+            pk__in=[row.pk for row, wave in zip(pending, assigned, strict=True) if wave == number]
+        ).update(wave=number)
+    Rollout.objects.create(run=run, index=index, waves=waves)
+    message = f"{wave_name(0, waves)}: {waves[0]['size']} devices"
+    event_record("wave.started", run=run, message=message, index=index, wave=1, by="auto")
 
 
 def _statistics_refresh(written: int) -> None:

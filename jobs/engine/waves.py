@@ -36,6 +36,10 @@ WAVE_RULE_KEYS = (
 )
 # A row that ended without success counts against a wave's max_failed_percent.
 WAVE_FAILING = (StepStatus.FAILED, StepStatus.REJECTED, StepStatus.TIMED_OUT, StepStatus.CANCELED)
+# Waves a rollout may expand into (by_label: one per label value): a wave per store of a
+# large chain is a few hundred; thousands of gates is no rollout anyone steers, and the
+# number must stay far below StepRun.wave's smallint.
+WAVES_EXPANDED_MAX = 1000
 # The label value of a wave of the devices that lack the label (by_label).
 NO_LABEL = ""
 

@@ -329,3 +329,31 @@ def test_the_preview_of_a_rollout_in_waves_adds_the_soaks_and_names_the_approval
     assert estimate["approval_gates"] == 2
     assert estimate["seconds"] >= 900
     assert response.json()["estimate"]["approval_gates"] == 2
+
+
+def test_a_retry_of_an_aborted_rollout_splits_the_devices_left_into_its_waves_again(stack, simulator):
+    from jobs.engine.fanout import CARRIED_WAVE
+    from jobs.retry import run_retry
+    from jobs.rollouts import rollout_act
+
+    # given a rollout aborted at its canary's gate: 2 devices succeeded, 4 never started
+    label = f"wretry-{uuid.uuid4().hex[:6]}"
+    simulator(fleet(label, 6))
+    waves = [{"count": 2, "gate": "approval"}, {"rest": True}]
+    step = JobStepFactory(device=None, labels={"kind": label}, action=ACTION, waves=waves)
+    run, _ = run_start(template=step.template)
+    wait_for(lambda: in_state(run, "awaiting_approval", 1), what="the approval gate")
+    rollout_act(run=run, action="abort", by="ops", reason="wrong window")
+    assert wait_for(lambda: finished(run)).status == RunStatus.FAILED
+
+    # when it is retried
+    retry = run_retry(run=run, by="ops", trigger="rest")
+
+    # then the 4 devices left run in the step's waves again (a canary of 2 first, behind its
+    # gate); the 2 carried successes count in no wave
+    rollout = wait_for(lambda: in_state(retry, "awaiting_approval", 1), what="the retry's approval gate")
+    assert [w["size"] for w in rollout.waves] == [2, 2]
+    assert StepRun.objects.filter(run=retry, wave=CARRIED_WAVE, status=StepStatus.SUCCEEDED).count() == 2
+    assert rows_of_wave(retry, 2).filter(status=StepStatus.PENDING).count() == 2
+    rollout_act(run=retry, action="approve", by="ops")
+    assert wait_for(lambda: finished(retry)).status == RunStatus.SUCCEEDED
