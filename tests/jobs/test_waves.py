@@ -150,6 +150,9 @@ def test_the_cli_pauses_resumes_and_aborts_a_rollout(stack, simulator, admin_api
     call_command("rollout", str(run.pk)[:8], "pause", "--by", "ops", "--reason", "change freeze", stdout=out)
     assert "paused" in out.getvalue().lower()
     assert rollout_of(run).reason == "change freeze"
+    shown = io.StringIO()
+    call_command("run_show", str(run.pk), stdout=shown)
+    assert "step 0: wave 1 of 3, Paused (change freeze) decided by ops" in shown.getvalue()
     with pytest.raises(CommandError, match="Cannot approve"):
         call_command("rollout", str(run.pk), "approve", "--by", "ops", stdout=io.StringIO())
     call_command("rollout", str(run.pk), "resume", "--by", "ops", stdout=io.StringIO())
@@ -230,6 +233,7 @@ def test_a_webhook_gate_approves_after_a_soak_and_refuses_with_a_pause(stack, si
     assert paused.data["by"] == "webhook" and "HTTP 503" in paused.message
     assert set(rows_of_wave(run, 3).values_list("status", flat=True)) == {StepStatus.PENDING}
     assert len(gate.asked) == 2
+    print("\nTIMELINE (soak, webhook approves, webhook refuses):\n" + timeline(run))
 
 
 def test_a_webhook_gate_that_answers_no_pauses(stack, simulator, gate):
