@@ -147,6 +147,8 @@ def rollout_gate_request(*, run_id: str, index: int, wave: int) -> dict | None:
             "wave": wave + 1,
             "waves": len(rollout.waves),
             "next_wave": wave + 2,
+            # The wave that passed: its devices by status (a health check may weigh them).
+            "counts": rollout_waves(rollout)[wave]["counts"],
         },
     }
 

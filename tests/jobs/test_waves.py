@@ -226,6 +226,7 @@ def test_a_webhook_gate_approves_after_a_soak_and_refuses_with_a_pause(stack, si
     approved = wait_for(lambda: event(run, "rollout.approved"), what="the webhook's approval")[0]
     assert approved.data["by"] == "webhook"
     assert gate.asked[0]["wave"] == 1 and gate.asked[0]["run"] == str(run.pk)
+    assert gate.asked[0]["counts"] == {"succeeded": 1}
 
     # when the gate then answers 503, the rollout pauses saying so, and wave 3 stays pending
     gate.answer = (503, {"approve": True})
