@@ -362,3 +362,37 @@ def test_a_retry_of_an_aborted_rollout_splits_the_devices_left_into_its_waves_ag
     assert rows_of_wave(retry, 2).filter(status=StepStatus.PENDING).count() == 2
     rollout_act(run=retry, action="approve", by="ops")
     assert wait_for(lambda: finished(retry)).status == RunStatus.SUCCEEDED
+
+
+def test_a_rollout_paused_mid_wave_lets_its_rows_at_work_finish_and_starts_no_other(
+    stack, simulator, admin_api
+):
+    # given a first wave of 4 slow devices started one at a time
+    label = f"wmid-{uuid.uuid4().hex[:6]}"
+    slow = DeviceBehaviour(latency_min_ms=400, latency_max_ms=400)
+    simulator({DeviceFactory(name=f"{label}-{i}", labels={"kind": label}).name: slow for i in range(6)})
+    waves = [{"count": 4}, {"rest": True}]
+    step = JobStepFactory(device=None, labels={"kind": label}, action=ACTION, waves=waves, max_in_flight=1)
+    run, _ = run_start(template=step.template)
+    wait_for(lambda: StepRun.objects.filter(run=run, status__in=["dispatched", "in_progress"]).exists())
+
+    # when an operator pauses it while its first device works
+    paused = admin_api.post(f"/api/runs/{run.pk}/rollout/pause/", {"reason": "look first"}, format="json")
+    assert paused.status_code == 200 and paused.json()["state"] == "paused"
+
+    # then the device at work finishes, and no other starts (a row's end pumps in the same
+    # transaction, so once nothing is at work, whatever the pump started would show)
+    wait_for(
+        lambda: (
+            not StepRun.objects.filter(run=run).exclude(status__in=["pending", "succeeded"]).exists()
+            and StepRun.objects.filter(run=run, status="succeeded").exists()
+        ),
+        what="the device at work to finish",
+    )
+    assert rows_of_wave(run, 1).filter(status=StepStatus.PENDING).exists()
+    assert rows_of_wave(run, 2).filter(status=StepStatus.PENDING).count() == 2
+
+    # when it is resumed, the wave's other devices start, then the next wave's
+    assert admin_api.post(f"/api/runs/{run.pk}/rollout/resume/", {}, format="json").status_code == 200
+    assert wait_for(lambda: finished(run)).status == RunStatus.SUCCEEDED
+    assert [e.data["wave"] for e in RunEvent.objects.filter(run=run, kind="wave.ended")] == [1, 2]
