@@ -282,6 +282,18 @@ def test_waves_are_validated_with_the_field_named(admin_api):
     assert "waves" in json.dumps(response.json())
 
 
+def test_a_rollout_action_on_a_run_without_waves_names_the_step_field(admin_api, reader_api):
+    step = JobStepFactory(device=None, labels={"kind": "none"}, action=ACTION)
+    run = JobRun.objects.create(template=step.template, plan=[], status=RunStatus.RUNNING)
+
+    response = admin_api.post(f"/api/runs/{run.pk}/rollout/approve/", {"step": 0}, format="json")
+    assert response.status_code == 400 and "step" in response.json()
+    bad = admin_api.post(f"/api/runs/{run.pk}/rollout/approve/", {"step": "x"}, format="json")
+    assert bad.status_code == 400 and "step" in bad.json()
+    # and who may only read runs may not steer them
+    assert reader_api.post(f"/api/runs/{run.pk}/rollout/pause/", {}, format="json").status_code == 403
+
+
 def test_the_run_page_and_the_dashboard_show_the_waves_and_their_gate_buttons_work(stack, simulator, client):
     # given a rollout waiting for approval after its canary, and a signed-in operator
     from django.contrib.auth.models import User
