@@ -228,6 +228,7 @@ def _waves_split_written(run: JobRun, index: int) -> None:
     spec = run.plan[index]
     rows = _rows(run, index)
     rows.exclude(status=StepStatus.PENDING).update(wave=CARRIED_WAVE)
+    rows.filter(status=StepStatus.PENDING).update(wave=0)
     pending = list(rows.filter(status=StepStatus.PENDING).select_related("device").order_by("device__name"))
     assigned, waves = waves_expand(spec["waves"], [row.device for row in pending])
     for number in range(1, len(waves)):
@@ -525,12 +526,12 @@ def _wave_end(*, run: JobRun, index: int, rollout: Rollout, rows) -> bool:
         rollout.save()
         return True
     soak = wave.get("soak_seconds") or 0
-    if soak:
+    # The member names the next wave's first row (pending: attempt 0), as a pump's does.
+    anchor = rows.filter(wave=rollout.wave + 1).order_by("pk").values_list("pk", flat=True).first()
+    if soak and anchor is not None:
         rollout.state = RolloutState.SOAKING
         rollout.soak_until = timezone.now() + timedelta(seconds=soak)
         rollout.save()
-        # The member names the next wave's first row (pending: attempt 0), as a pump's does.
-        anchor = rows.filter(wave=rollout.wave + 1).order_by("pk").values_list("pk", flat=True).first()
         deadlines_set({Deadline("soak", anchor, 0): rollout.soak_until})
         until = rollout.soak_until.isoformat(timespec="seconds")
         event_record(
