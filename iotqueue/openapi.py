@@ -206,12 +206,41 @@ DEVICES_FROM_SCHEMA = {
     "additionalProperties": False,
     "anyOf": [{"maxProperties": 0}, {"required": ["step", "outcome"]}],
 }
+# A fan-out step's waves (jobs/validation.py waves_problem checks the same; jobs/engine/waves.py).
+WAVES_SCHEMA = {
+    "type": "array",
+    "maxItems": 20,
+    "description": "The fan-out in ordered waves. Each wave is sized by exactly one of percent, count, "
+    "rest or by_label (one wave per value of that label; rest and by_label only last); devices no wave "
+    "takes form a last wave. When a wave's devices all ended its condition is checked "
+    "(min_succeeded_percent, max_failed_percent); failing, the rollout pauses (on_fail: abort aborts "
+    "it); passing, it soaks soak_seconds, then its gate opens the next wave: auto, approval (an "
+    "operator approves: POST /api/runs/{id}/rollout/approve/) or webhook (webhook_url is POSTed; "
+    'a 2xx answer of {"approve": true} goes on, anything else pauses).',
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "percent": {"type": "integer", "minimum": 1, "maximum": 100},
+            "count": {"type": "integer", "minimum": 1},
+            "rest": {"type": "boolean", "enum": [True]},
+            "by_label": {"type": "string"},
+            "min_succeeded_percent": {"type": "integer", "minimum": 0, "maximum": 100},
+            "max_failed_percent": {"type": "integer", "minimum": 0, "maximum": 100},
+            "on_fail": {"type": "string", "enum": ["pause", "abort"], "default": "pause"},
+            "soak_seconds": {"type": "integer", "minimum": 0, "maximum": 604800},
+            "gate": {"type": "string", "enum": ["auto", "approval", "webhook"], "default": "auto"},
+            "webhook_url": {"type": "string", "format": "uri", "maxLength": 2000},
+        },
+    },
+}
 STEP_JSON = {
     "args": JSON_OBJECT,
     "labels": STRING_LABELS,
     "compensation_args": JSON_OBJECT,
     "abort_criteria": ABORT_CRITERIA_SCHEMA,
     "devices_from": DEVICES_FROM_SCHEMA,
+    "waves": WAVES_SCHEMA,
 }
 
 JSON_OBJECT_PROPERTIES = {

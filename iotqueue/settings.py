@@ -375,7 +375,7 @@ CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="celery")
 # consumed by their own worker (`celery -A iotqueue worker -Q iotqueue-io`), so the engine's
 # tasks never wait behind them (iotqueue/celery.py io_route; docs/operations.md#queues).
 IOTQUEUE_IO_QUEUE = env("IOTQUEUE_IO_QUEUE", default="iotqueue-io")
-IOTQUEUE_IO_TASKS = ("webhooks.deliver", "webhooks.failed_run_mail")
+IOTQUEUE_IO_TASKS = ("webhooks.deliver", "webhooks.failed_run_mail", "webhooks.wave_gate")
 CELERY_TASK_ROUTES = ("iotqueue.celery.io_route",)
 # Task events on, so `celery events` and Flower show what runs (docs/operations.md#celerys-own-tools).
 CELERY_WORKER_SEND_TASK_EVENTS = env.bool("IOTQUEUE_CELERY_EVENTS", default=True)
@@ -518,6 +518,9 @@ EMAIL_HOST = env("EMAIL_HOST", default="localhost")
 EMAIL_PORT = env.int("EMAIL_PORT", default=25)
 # One webhook request may take this long: a receiver should answer at once and work later.
 IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS = env.float("IOTQUEUE_WEBHOOK_TIMEOUT_SECONDS", default=5.0)
+# A wave's webhook gate (webhooks/gates.py) may take this long to answer; past it the
+# rollout pauses: a health check answers at once or it is not healthy.
+IOTQUEUE_WAVE_GATE_TIMEOUT_SECONDS = env.float("IOTQUEUE_WAVE_GATE_TIMEOUT_SECONDS", default=10.0)
 # Attempts per delivery, the wait before the second (doubling after each failure) and its
 # cap. The cap stays well below the broker's visibility timeout (CELERY_VISIBILITY_TIMEOUT):
 # a retry waiting longer would be handed out a second time.

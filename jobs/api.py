@@ -34,10 +34,13 @@ from .engine.continuous import fanout_close, plan_step_index
 from .models import ConcurrencyLimit, JobRun, JobTemplate, RunStatus, StepRun
 from .preview import run_preview
 from .retry import RetryError, run_retry
+from .rollouts import RolloutConflict, RolloutNotFound, rollout_act
 from .serializers import (
     ConcurrencyLimitSerializer,
     DeviceLockSerializer,
     FanoutCloseSerializer,
+    RolloutActionSerializer,
+    RolloutSerializer,
     RunDetailSerializer,
     RunEventSerializer,
     RunPreviewSerializer,
@@ -99,8 +102,9 @@ def _datetime_param(name: str, value: str) -> datetime:
 
 
 # Actions on one run (POST /api/runs/<id>/<action>/); they check their own permission.
-RUN_ACTIONS = ("cancel", "retry", "fanout_close")
+RUN_ACTIONS = ("cancel", "retry", "fanout_close", "rollout")
 RUN_VIEW_PERMISSION = "jobs.view_jobrun"
+ROLLOUT_ACTIONS = ("pause", "resume", "approve", "abort")
 
 
 @extend_schema_view(list=extend_schema(parameters=RUN_LIST_PARAMETERS))
@@ -217,6 +221,57 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             )
         run = self.get_queryset().get(pk=run.pk)
         return Response(RunDetailSerializer(run, context={"request": request}).data)
+
+    @extend_schema(
+        request=RolloutActionSerializer,
+        parameters=[
+            OpenApiParameter(
+                "verb",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                enum=list(ROLLOUT_ACTIONS),
+                description="pause (no more devices start), resume (a paused rollout goes on), "
+                "approve (open the next wave at an approval or webhook gate, or after a soak), "
+                "abort (skip the devices not started, fail the step).",
+            )
+        ],
+        responses={
+            200: RolloutSerializer,
+            400: OpenApiResponse(description="No fan-out in waves at that step (field: step)."),
+            409: OpenApiResponse(description="The action does not apply to the rollout's state."),
+        },
+    )
+    @action(
+        detail=True,
+        methods=["post"],
+        permission_classes=[IsAuthenticated],
+        url_path=r"rollout/(?P<verb>pause|resume|approve|abort)",
+        url_name="rollout",
+    )
+    def rollout(self, request, pk=None, verb=None):
+        """Steer the run's fan-out in waves: pause, resume, approve the next wave or abort.
+
+        Body (optional): `step`, the fan-out's index (default: the run's latest fan-out in
+        waves), and `reason`, kept in the timeline with who decided. Needs change_jobrun.
+        """
+        run = self.get_object()
+        if not request.user.has_perm("jobs.change_jobrun"):
+            self.permission_denied(request, message=_("You may not steer rollouts."))
+        body = RolloutActionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            rollout = rollout_act(
+                run=run,
+                action=verb,
+                by=request.user.username,
+                reason=body.validated_data.get("reason", ""),
+                step=body.validated_data.get("step"),
+            )
+        except RolloutNotFound as exc:
+            raise ValidationError({"step": [str(exc)]}) from None
+        except RolloutConflict as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(RolloutSerializer(rollout).data)
 
     @extend_schema(responses=RunEventSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=Pagination)

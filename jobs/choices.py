@@ -55,3 +55,24 @@ MAX_INCREMENT_FACTOR = 5.0
 # A continuous fan-out's longest end-by: a year covers any rollout; a larger number is a typo
 # (and, near the integer column's limit, past what a date can hold).
 OPEN_SECONDS_MAX = 366 * 24 * 3600
+
+
+# Waves with gates (jobs/engine/waves.py).
+class WaveGate(models.TextChoices):
+    AUTO = "auto", _("Go on by itself")
+    APPROVAL = "approval", _("Wait for an operator's approval")
+    WEBHOOK = "webhook", _("Ask a webhook")
+
+
+class WaveOnFail(models.TextChoices):
+    PAUSE = "pause", _("Pause the rollout")
+    ABORT = "abort", _("Abort the rollout")
+
+
+class RolloutState(models.TextChoices):
+    RUNNING = "running", _("Running")
+    SOAKING = "soaking", _("Soaking")
+    AWAITING_APPROVAL = "awaiting_approval", _("Awaiting approval")
+    AWAITING_WEBHOOK = "awaiting_webhook", _("Awaiting the webhook")
+    PAUSED = "paused", _("Paused")
+    ENDED = "ended", _("Ended")

@@ -30,6 +30,7 @@ from .models import (
     STEP_TERMINAL,
     JobRun,
     Phase,
+    Rollout,
     RunEvent,
     RunStatus,
     StepKind,
@@ -361,6 +362,8 @@ def run_detail_lines(run: JobRun, waiting: Waiting | None = None) -> list[str]:
     fields.append((_("status"), run.status + (f": {run.error}" if run.error else "")))
     if waiting is not None:
         fields.append((_("waiting"), f"{waiting.reason}: {waiting.message}"))
+    if any(spec.get("waves") for spec in run.plan or []):
+        fields += [(_("waves"), _rollout_text(rollout)) for rollout in run.rollouts.order_by("index")]
     fields += [
         (_("trigger"), _("%(trigger)s by %(by)s, priority %(priority)s") % by),
         (
@@ -374,6 +377,21 @@ def run_detail_lines(run: JobRun, waiting: Waiting | None = None) -> list[str]:
     if run.idempotency_key:
         fields.append((_("idem. key"), run.idempotency_key))
     return [f"{pad(label, DETAIL_LABEL_WIDTH - 1)} {printable(value)}" for label, value in fields]
+
+
+def _rollout_text(rollout: Rollout) -> str:
+    """A fan-out in waves for run_show's header: where it stands, why, who decided."""
+    text = _("step %(step)s: wave %(wave)s of %(waves)s, %(state)s") % {
+        "step": rollout.index,
+        "wave": rollout.wave + 1,
+        "waves": len(rollout.waves),
+        "state": rollout.get_state_display(),
+    }
+    if rollout.reason:
+        text += f" ({rollout.reason})"
+    if rollout.decided_by:
+        text += " " + _("decided by %(who)s") % {"who": rollout.decided_by}
+    return text
 
 
 # run_show's header: labels in a column this wide (display columns), values after them.

@@ -6,6 +6,7 @@ answer in time), `retry` (back-off over: queue again), `send` (the command was c
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
 rate allows starting more devices; the member names a row of the fan-out not yet started),
+`soak` (a fan-out wave's soak time is over; the member names the next wave's first row),
 `run` (a run's max_duration is over; the member names the run by its UUID, not a step row),
 `fanout_close` (a continuous fan-out's end-by: the member names the run, its attempt the step).
 
@@ -39,7 +40,7 @@ from iotqueue.redis_conn import lock_redis_connection, redis_key
 
 # A continuous fan-out's end-by: the member names its run (UUID) and, as its attempt, the step.
 FANOUT_CLOSE = "fanout_close"
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run", FANOUT_CLOSE)
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "soak", "run", FANOUT_CLOSE)
 # Kinds whose member names a run (its UUID) instead of a step row.
 RUN_KINDS = ("run", FANOUT_CLOSE)
 # Kinds kept in the shard of the step's device (the lock scripts write some of them).

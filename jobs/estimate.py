@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .choices import WaveGate
 from .engine.fanout import RATE_WINDOW, rollout_counts_notified, rollout_pace, rollout_room
 
 # A step's duration when no recent succeeded row of its action says better: a command
@@ -144,3 +145,41 @@ def _next_pump(now: float, at_work: list[tuple[float, bool]], oldest: float | No
     if oldest is not None:
         due.append(oldest + window)
     return max(now, min(due)) if due else now
+
+
+@dataclass(frozen=True)
+class WavesEstimate:
+    """A fan-out in waves: its finish (None: no estimate), the soak it includes, and the
+    gates between waves that wait for people (their time is not in `seconds`)."""
+
+    seconds: float | None
+    waves: int
+    soak_seconds: int
+    approval_gates: int
+
+
+def waves_finish_seconds(
+    spec: Mapping[str, Any],
+    rows: Sequence[RowTiming],
+    assigned: Sequence[int],
+    waves: Sequence[Mapping[str, Any]],
+    *,
+    tick: float = 0.0,
+) -> WavesEstimate:
+    """A fan-out in waves (jobs/engine/waves.py `waves_expand` gives `assigned` and `waves`):
+    each wave estimated as fanout_expected_seconds estimates a fan-out, one after the other, with
+    each soak between them; an auto or webhook gate adds nothing, an approval gate is counted
+    for the reader to add. A ramp is replayed from its base in each wave (the engine's goes
+    on counting across waves): for a ramped rollout the estimate errs long, never short."""
+    total, soak, approvals = 0.0, 0, 0
+    for number, wave in enumerate(waves):
+        seconds = fanout_expected_seconds(
+            spec, [row for row, w in zip(rows, assigned, strict=True) if w == number], tick=tick
+        )
+        if seconds is None:
+            return WavesEstimate(None, len(waves), 0, 0)
+        total += seconds
+        if number < len(waves) - 1:
+            soak += wave.get("soak_seconds") or 0
+            approvals += wave.get("gate") == WaveGate.APPROVAL
+    return WavesEstimate(total + soak, len(waves), soak, approvals)

@@ -21,6 +21,7 @@ from .choices import (
     OPEN_SECONDS_MAX,
     OnFailure,
     RolloutIncrementOn,
+    RolloutState,
     StepKind,
 )
 
@@ -255,6 +256,16 @@ class JobStep(models.Model):
         help_text=_(
             "Fan out to the devices that succeeded or failed in an earlier fan-out step of the run, "
             'e.g. {"step": "flash", "outcome": "succeeded"}.'
+        ),
+    )
+    # Waves with gates (jobs/engine/waves.py): the fan-out in ordered waves, each with a condition.
+    waves = models.JSONField(
+        _("waves"),
+        default=list,
+        blank=True,
+        help_text=_(
+            'Ordered waves, e.g. [{"percent": 1, "gate": "approval"}, {"percent": 10, '
+            '"max_failed_percent": 2}, {"by_label": "region"}]; empty = one wave.'
         ),
     )
 
@@ -532,6 +543,8 @@ class StepRun(models.Model):
     dispatched_at = models.DateTimeField(_("dispatched at"), null=True, blank=True)
     acked_at = models.DateTimeField(_("acked at"), null=True, blank=True)
     finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    # Waves with gates: the wave of a fan-out row (from 0); the pump starts open waves only.
+    wave = models.PositiveSmallIntegerField(_("wave"), default=0)
 
     class Meta:
         verbose_name = _("step run")
@@ -563,6 +576,40 @@ class StepRun(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in STEP_TERMINAL
+
+
+class Rollout(models.Model):
+    """Where a fan-out step in waves stands (jobs/engine/waves.py): its open wave, its state
+    and who decided last. Written under the run's row lock, so two workers never both decide."""
+
+    run = models.ForeignKey(JobRun, on_delete=models.CASCADE, related_name="rollouts", verbose_name=_("run"))
+    index = models.PositiveSmallIntegerField(
+        _("index"), help_text=_("Position of the step in the run, from 0.")
+    )
+    waves = models.JSONField(
+        _("waves"), default=list, help_text=_("The waves as expanded: size, label, condition, gate.")
+    )
+    wave = models.PositiveSmallIntegerField(_("wave"), default=0, help_text=_("The open wave, from 0."))
+    wave_checked = models.BooleanField(
+        _("wave checked"), default=False, help_text=_("The open wave ended and its condition was checked.")
+    )
+    state = models.CharField(
+        _("state"), max_length=24, choices=RolloutState.choices, default=RolloutState.RUNNING
+    )
+    reason = models.CharField(_("reason"), max_length=500, blank=True)
+    decided_by = models.CharField(_("decided by"), max_length=150, blank=True)
+    soak_until = models.DateTimeField(_("soak until"), null=True, blank=True)
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("rollout")
+        verbose_name_plural = _("rollouts")
+        constraints = [models.UniqueConstraint(fields=["run", "index"], name="rollout_unique_run_index")]
+
+    def __str__(self) -> str:
+        return (
+            f"{str(self.run_id)[:8]} step {self.index}: wave {self.wave + 1}/{len(self.waves)} {self.state}"
+        )
 
 
 class RunEvent(models.Model):

@@ -23,11 +23,13 @@ from devices.selectors import labels_requirements, selector_filter, selector_par
 
 from .choices import DevicesFromOutcome, StepKind
 from .engine.plan import FANOUT, spec_kind, step_target_name
+from .engine.waves import waves_expand
 from .estimate import (
     TYPICAL_SAMPLE_ROWS,
     fanout_expected_seconds,
     row_timing,
     typical_seconds,
+    waves_finish_seconds,
 )
 from .limits import limits_enabled
 from .models import JobRun, JobTemplate, Phase, StepRun, StepStatus
@@ -67,7 +69,7 @@ class TargetDevice:
     presence_required: bool
     min_interval_seconds: float
     max_per_minute: int
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # a fan-out in waves by_label splits on them
     holder: str | None = None
     queue: list[str] = field(default_factory=list)
 
@@ -117,6 +119,8 @@ def run_preview(
             "seconds": total,
             "finish_at": now + timedelta(seconds=total) if total is not None else None,
             "steps_in_sequence": True,
+            # Waves whose gate waits for an operator: their time is not in the estimate.
+            "approval_gates": sum(step["estimate"].get("approval_gates", 0) for step in steps),
         },
         "problems": [
             _("step %(index)d: %(problem)s") % {"index": step["index"], "problem": p}
@@ -360,6 +364,7 @@ ROLLOUT_FIELDS = (
     "success_percent",
     "abort_failure_percent",
     "abort_criteria",
+    "waves",
 )
 
 
@@ -410,6 +415,18 @@ def _step_estimate(
         for device in enabled
     ]
     timed_out = sum(not row.succeeds for row in rows)
+    if kind == FANOUT and spec.get("waves"):
+        assigned, waves = waves_expand(spec["waves"], enabled)
+        waved = waves_finish_seconds(spec, rows, assigned, waves, tick=monitor_interval())
+        return {
+            "seconds": waved.seconds,
+            "method": "waves_replay",
+            "rows_timing_out": timed_out,
+            "waves": waved.waves,
+            "soak_seconds": waved.soak_seconds,
+            "approval_gates": waved.approval_gates,
+            **base,
+        }
     if kind == FANOUT:
         # A pump waiting for the rate's window runs at the monitor's next tick after it.
         seconds = fanout_expected_seconds(spec, rows, tick=monitor_interval())

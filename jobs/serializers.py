@@ -12,7 +12,17 @@ from devices.selectors import selector_parse
 from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
 
-from .models import ConcurrencyLimit, ContinuousFanout, JobRun, JobTemplate, LimitScope, RunEvent, StepRun
+from .models import (
+    ConcurrencyLimit,
+    ContinuousFanout,
+    JobRun,
+    JobTemplate,
+    LimitScope,
+    Rollout,
+    RunEvent,
+    StepRun,
+)
+from .rollouts import REASON_MAX_LENGTH, rollout_waves
 from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
@@ -180,6 +190,59 @@ class RunEventSerializer(serializers.ModelSerializer):
         fields = ["created_at", "kind", "device", "message", "data"]
 
 
+class RolloutWaveSerializer(serializers.Serializer):
+    """One wave of a rollout as it stands (its spec's condition and gate keys besides)."""
+
+    number = serializers.IntegerField(help_text="The wave's number, from 1.")
+    size = serializers.IntegerField(help_text="How many devices the wave has.")
+    label = serializers.CharField(help_text='A by_label wave\'s label value ("region=eu"); "" otherwise.')
+    where = serializers.ChoiceField(
+        choices=["done", "open", "next"], help_text="done, open (its devices may start) or next (to come)."
+    )
+    counts = serializers.DictField(
+        child=serializers.IntegerField(), help_text="The wave's devices by status."
+    )
+    gate = serializers.CharField(required=False, help_text="auto (default), approval or webhook.")
+    min_succeeded_percent = serializers.IntegerField(required=False)
+    max_failed_percent = serializers.IntegerField(required=False)
+    on_fail = serializers.CharField(required=False, help_text="pause (default) or abort.")
+    soak_seconds = serializers.IntegerField(required=False)
+    webhook_url = serializers.CharField(required=False)
+
+
+class RolloutSerializer(serializers.ModelSerializer):
+    """Where a fan-out in waves stands: its open wave, state and who decided last."""
+
+    step = serializers.IntegerField(source="index", help_text="The fan-out step's index, from 0.")
+    wave = serializers.SerializerMethodField(help_text="The open wave's number, from 1.")
+    waves = serializers.SerializerMethodField(help_text="Every wave with its devices counted by status.")
+
+    class Meta:
+        model = Rollout
+        fields = ["step", "wave", "state", "reason", "decided_by", "soak_until", "updated_at", "waves"]
+
+    def get_wave(self, rollout: Rollout) -> int:
+        return rollout.wave + 1
+
+    @extend_schema_field(RolloutWaveSerializer(many=True))
+    def get_waves(self, rollout: Rollout) -> list[dict]:
+        return rollout_waves(rollout)
+
+
+class RolloutActionSerializer(serializers.Serializer):
+    """The body of POST /api/runs/<id>/rollout/<action>/ (both fields optional)."""
+
+    step = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=32767,
+        help_text="The fan-out step's index (default: the latest).",
+    )
+    reason = serializers.CharField(
+        required=False, allow_blank=True, max_length=REASON_MAX_LENGTH, help_text="Why, for the timeline."
+    )
+
+
 class RunSerializer(serializers.ModelSerializer):
     template = serializers.CharField(source="template.name")
     url = serializers.HyperlinkedIdentityField(view_name="run-detail")
@@ -280,8 +343,19 @@ class RunDetailSerializer(RunSerializer):
         view_name="run-events", help_text="The run's whole timeline, paged, oldest first."
     )
 
+    rollouts = RolloutSerializer(
+        many=True, read_only=True, help_text="The run's fan-outs in waves (jobs: waves and gates)."
+    )
+
     class Meta(RunSerializer.Meta):
-        fields = [*RunSerializer.Meta.fields, "continuous_fanouts", "events", "events_total", "events_url"]
+        fields = [
+            *RunSerializer.Meta.fields,
+            "continuous_fanouts",
+            "events",
+            "events_total",
+            "events_url",
+            "rollouts",
+        ]
 
     @extend_schema_field(RunEventSerializer(many=True))
     def get_events(self, run: JobRun) -> list[dict]:
@@ -374,11 +448,13 @@ class PreviewStepEstimateSerializer(serializers.Serializer):
             "rollout_replay",
             "continuous_end_by",
             "continuous_until_closed",
+            "waves_replay",
         ],
         help_text="rollout_replay: the fan-out's pumps replayed with the engine's rate, ramp and "
-        "max-in-flight arithmetic; queue_then_typical: the commands ahead, then one typical duration; "
-        "continuous_end_by: a continuous fan-out, the replay or its open_seconds, whichever is longer; "
-        "continuous_until_closed: one closed by hand only (no estimate).",
+        "max-in-flight arithmetic; waves_replay: the same for each wave of a fan-out in waves, one "
+        "after the other, with their soak times; queue_then_typical: the commands ahead, then one "
+        "typical duration; continuous_end_by: a continuous fan-out, the replay or its open_seconds, "
+        "whichever is longer; continuous_until_closed: one closed by hand only (no estimate).",
     )
     typical_seconds = serializers.FloatField(allow_null=True)
     typical_source = serializers.ChoiceField(
@@ -389,6 +465,15 @@ class PreviewStepEstimateSerializer(serializers.Serializer):
     queue_timeout_seconds = serializers.IntegerField(required=False)
     rows_timing_out = serializers.IntegerField(
         required=False, help_text="Rows expected to time out in the queue (offline, or too much ahead)."
+    )
+    waves = serializers.IntegerField(required=False, help_text="A fan-out in waves: how many waves.")
+    soak_seconds = serializers.IntegerField(
+        required=False, help_text="A fan-out in waves: the soak times between waves, included in seconds."
+    )
+    approval_gates = serializers.IntegerField(
+        required=False,
+        help_text="A fan-out in waves: gates that wait for an operator's approval; their time is not "
+        "in seconds (add the time approvals take).",
     )
 
 
@@ -425,6 +510,10 @@ class PreviewEstimateSerializer(serializers.Serializer):
     seconds = serializers.FloatField(allow_null=True, help_text="The steps' estimates added up.")
     finish_at = serializers.DateTimeField(allow_null=True)
     steps_in_sequence = serializers.BooleanField()
+    approval_gates = serializers.IntegerField(
+        help_text="Gates of fan-outs in waves that wait for an operator: the finish is later by the "
+        "time approvals take."
+    )
 
 
 class PreviewForEachSerializer(serializers.Serializer):

@@ -71,6 +71,7 @@ PLAN_FIELDS = (
     "continuous",
     "open_seconds",
     "devices_from",
+    "waves",
 )
 
 

@@ -11,6 +11,7 @@ names a registered step task (jobs/tasksteps.py), so a template cannot run any o
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.utils.translation import gettext as _
@@ -26,6 +27,8 @@ from .choices import (
     AbortCause,
     DevicesFromOutcome,
     StepKind,
+    WaveGate,
+    WaveOnFail,
 )
 from .tasksteps import step_task_registered
 
@@ -242,6 +245,12 @@ def rollout_errors(step) -> dict[str, str]:
     problem = abort_criteria_problem(getattr(step, "abort_criteria", []))
     if problem:
         errors["abort_criteria"] = problem
+    waves = getattr(step, "waves", [])
+    problem = waves_problem(waves)
+    if not problem and waves and not (step.group_id or step.labels or getattr(step, "selector", "")):
+        problem = _("Waves split a fan-out: give the step a group, labels or a selector.")
+    if problem:
+        errors["waves"] = problem
     factor = getattr(step, "rollout_increment_factor", 1.0)
     if not isinstance(factor, int | float) or not 1 <= factor <= MAX_INCREMENT_FACTOR:
         errors["rollout_increment_factor"] = _("Give 1 (a fixed rate) to %(max)g.") % {
@@ -296,4 +305,95 @@ def abort_criteria_problem(criteria: Any) -> str:
         minimum = criterion.get("min_executed", 0)
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
             return _("%(where)s: min_executed is a whole number, 0 or more.") % {"where": where}
+    return ""
+
+
+# Waves a step may list (a by_label wave expands to one wave per label value besides): a
+# rollout has a few stages, and the bound keeps the spec small.
+WAVES_MAX = 20
+# The longest soak after a wave: a week; longer is a pause, which an operator ends.
+WAVE_SOAK_MAX_SECONDS = 7 * 24 * 3600
+WAVE_SIZE_KEYS = ("percent", "count", "rest", "by_label")
+WAVE_KEYS = {
+    *WAVE_SIZE_KEYS,
+    "min_succeeded_percent",
+    "max_failed_percent",
+    "on_fail",
+    "soak_seconds",
+    "gate",
+    "webhook_url",
+}
+WEBHOOK_URL_MAX_LENGTH = 2000
+
+
+def _whole(value: Any, low: int, high: int | None = None) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int)
+        and value >= low
+        and (high is None or value <= high)
+    )
+
+
+def waves_problem(waves: Any) -> str:
+    """What is wrong with a step's waves, or "" (jobs/engine/waves.py says what they mean)."""
+    if not isinstance(waves, list):
+        return _("Must be a JSON list of waves.")
+    if len(waves) > WAVES_MAX:
+        return _("At most %(count)d waves.") % {"count": WAVES_MAX}
+    for number, wave in enumerate(waves):
+        problem = _wave_problem(wave, last=number == len(waves) - 1)
+        if problem:
+            return _("wave %(number)d: %(problem)s") % {"number": number + 1, "problem": problem}
+    return ""
+
+
+def _wave_problem(wave: Any, *, last: bool) -> str:
+    if not isinstance(wave, dict) or set(wave) - WAVE_KEYS:
+        return _("a wave is an object of %(keys)s only.") % {"keys": ", ".join(sorted(WAVE_KEYS))}
+    sizes = [key for key in WAVE_SIZE_KEYS if key in wave]
+    if len(sizes) != 1:
+        return _("give exactly one of percent, count, rest or by_label.")
+    size = sizes[0]
+    if size == "percent" and not _whole(wave["percent"], 1, 100):
+        return _("percent is a whole number from 1 to 100.")
+    if size == "count" and not _whole(wave["count"], 1):
+        return _("count is a whole number, 1 or more.")
+    if size == "rest" and wave["rest"] is not True:
+        return _('rest is true: "rest": true.')
+    if size == "by_label" and (not isinstance(wave["by_label"], str) or not wave["by_label"]):
+        return _('by_label names a label, e.g. "region".')
+    if size in ("rest", "by_label") and not last:
+        return _("rest and by_label take every device left: only the last wave may use them.")
+    for key in ("min_succeeded_percent", "max_failed_percent"):
+        if key in wave and not _whole(wave[key], 0, 100):
+            return _("%(key)s is a whole number from 0 to 100.") % {"key": key}
+    if "soak_seconds" in wave and not _whole(wave["soak_seconds"], 0, WAVE_SOAK_MAX_SECONDS):
+        return _("soak_seconds is a whole number from 0 to %(max)d.") % {"max": WAVE_SOAK_MAX_SECONDS}
+    if "on_fail" in wave and wave["on_fail"] not in WaveOnFail.values:
+        return _("on_fail is one of %(values)s.") % {"values": ", ".join(WaveOnFail.values)}
+    if "gate" in wave and wave["gate"] not in WaveGate.values:
+        return _("gate is one of %(values)s.") % {"values": ", ".join(WaveGate.values)}
+    url = wave.get("webhook_url")
+    if (wave.get("gate") == WaveGate.WEBHOOK) != bool(url):
+        return _("a webhook gate needs a webhook_url, and only a webhook gate has one.")
+    if url:
+        return gate_url_problem(url)
+    return ""
+
+
+def gate_url_problem(url: Any) -> str:
+    """A webhook gate's URL: http or https with a host (no file:, no other scheme). Where it
+    may point (no loopback or private address unless allowed) is checked when it is called
+    (webhooks/gates.py), as for webhooks."""
+    if not isinstance(url, str) or len(url) > WEBHOOK_URL_MAX_LENGTH:
+        return _("webhook_url is a URL of at most %(max)d characters.") % {"max": WEBHOOK_URL_MAX_LENGTH}
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        return _("webhook_url is not a URL.")
+    if parts.scheme not in ("http", "https") or not host:
+        return _("webhook_url is an http:// or https:// URL with a host.")
     return ""

@@ -50,6 +50,8 @@ from .models import (
     ContinuousFanout,
     JobRun,
     Phase,
+    Rollout,
+    RolloutState,
     RunStatus,
     StepKind,
     StepRun,
@@ -75,6 +77,10 @@ REASONS = {
     "compensation_per_minute) starts it later",
     "rollout_in_flight": "a fan-out's (or its rollback's) device not started yet: max in flight "
     "devices are at work",
+    "rollout_wave": "a fan-out's device in a later wave: it starts when its wave opens",
+    "rollout_soaking": "a fan-out's wave soaks before its gate; the next wave waits",
+    "rollout_gate": "a fan-out's next wave waits for approval, or for its webhook's answer",
+    "rollout_paused": "a fan-out in waves is paused (by an operator, its webhook or a failed condition)",
     "delay": "a delay step, over at a known time",
     "wait_online": "a wait-for-online step: its device is not online yet",
     "task_step": "a task step's Celery task is running",
@@ -141,6 +147,8 @@ class WaitFacts:
     slots: dict[tuple[str, str], SlotState] = field(default_factory=dict)
     # step row pk of a slot holder -> its device's name
     slot_devices: dict[int, str] = field(default_factory=dict)
+    # (run id, index) of a fan-out in waves -> its rollout (waves and gates)
+    rollouts: dict[tuple[uuid.UUID, int], Rollout] = field(default_factory=dict)
 
 
 def _needs_lock(row: StepRun) -> bool:
@@ -154,9 +162,20 @@ def _needs_lock(row: StepRun) -> bool:
 
 
 def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
-    """Two queries at most (fan-out counts, lock holders' rows) and one Redis pipeline."""
+    """Three queries at most (fan-out counts, rollouts in waves, lock holders' rows) and one
+    Redis pipeline."""
     facts = WaitFacts()
     fanout_keys = {(row.run_id, row.phase, row.index) for row in rows if row.status == StepStatus.PENDING}
+    waved = {
+        (row.run_id, row.index)
+        for row in rows
+        if row.status == StepStatus.PENDING and step_spec(row).get("waves")
+    }
+    if waved:
+        found = Rollout.objects.filter(
+            run_id__in={run_id for run_id, _index in waved}, index__in={index for _run, index in waved}
+        )
+        facts.rollouts = {(r.run_id, r.index): r for r in found if (r.run_id, r.index) in waved}
     if fanout_keys:
         runs = {run_id for run_id, _phase, _index in fanout_keys}
         counted = (
@@ -362,6 +381,9 @@ def _pending(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
     spec = row.run.plan[row.index]
     device = row.device_name or None
     undo = row.phase == Phase.COMPENSATION
+    rollout = None if undo else facts.rollouts.get((row.run_id, row.index))
+    if rollout is not None and (rollout.state != RolloutState.RUNNING or row.wave > rollout.wave):
+        return _wave_waiting(row, rollout, now)
     limit = spec.get("max_in_flight") or 0
     if limit and at_work >= limit:
         message = (
@@ -382,6 +404,36 @@ def _pending(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
     else:
         message = _("Rollout rate: the next device starts at %(until)s") % {"until": clock(until, now=now)}
     return Waiting("rollout_rate", message, device=device, until=until)
+
+
+def _wave_waiting(row: StepRun, rollout: Rollout, now: datetime) -> Waiting:
+    """A fan-out's device whose wave is not open, or whose rollout is paused or at a gate."""
+    device = row.device_name or None
+    following = rollout.wave + 2
+    if rollout.state == RolloutState.PAUSED:
+        message = _("Rollout paused by %(who)s: %(reason)s") % {
+            "who": rollout.decided_by or "-",
+            "reason": rollout.reason or "-",
+        }
+        return Waiting("rollout_paused", message, device=device, since=rollout.updated_at)
+    if rollout.state == RolloutState.AWAITING_APPROVAL:
+        message = _("Rollout: awaiting approval of wave %(wave)s") % {"wave": following}
+        return Waiting("rollout_gate", message, device=device, since=rollout.updated_at)
+    if rollout.state == RolloutState.AWAITING_WEBHOOK:
+        message = _("Rollout: awaiting the webhook's answer for wave %(wave)s") % {"wave": following}
+        return Waiting("rollout_gate", message, device=device, since=rollout.updated_at)
+    if rollout.state == RolloutState.SOAKING:
+        message = _("Rollout: wave %(wave)s soaks until %(until)s") % {
+            "wave": rollout.wave + 1,
+            "until": clock(rollout.soak_until, now=now),
+        }
+        return Waiting("rollout_soaking", message, device=device, until=rollout.soak_until)
+    message = _("Rollout: this device is in wave %(wave)s; wave %(open)s of %(waves)s is open") % {
+        "wave": row.wave + 1,
+        "open": rollout.wave + 1,
+        "waves": len(rollout.waves),
+    }
+    return Waiting("rollout_wave", message, device=device)
 
 
 def _in_flight(row: StepRun, now: datetime) -> Waiting:

@@ -8,7 +8,7 @@ from celery import current_app, shared_task
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
-from . import delivery, mail, outbox
+from . import delivery, gates, mail, outbox
 
 # Mail goes through an SMTP server that may be away for a moment.
 MAIL_RETRIES = 3
@@ -47,3 +47,10 @@ def deliver_task(delivery_id: int, attempt: int = 1) -> None:
 )
 def failed_run_mail_task(event: dict[str, Any]) -> None:
     mail.failed_run_mail_send(event=event)
+
+
+@shared_task(
+    name=gates.WAVE_GATE_TASK, autoretry_for=(DatabaseError,), default_retry_delay=1.0, max_retries=10
+)
+def wave_gate_task(run_id: str, index: int, wave: int) -> None:
+    gates.wave_gate_ask(run_id=run_id, index=index, wave=wave)

@@ -40,7 +40,8 @@ from ..dashboard import (
     runs_by_status,
     runs_failed_recent,
 )
-from ..models import RunStatus
+from ..models import Rollout, RolloutState, RunStatus
+from ..rollouts import APPLIES
 from ..timeline import duration_format
 from ..waiting import runs_stuck, stuck_after
 from .display import run_url
@@ -238,6 +239,32 @@ def _percent(n: int, total: int) -> float:
     return round(n * 100 / total, 2) if total else 0.0
 
 
+# Rollouts shown waiting for a decision: more than fit on a screen is a backlog, not a list.
+GATED_SHOWN = 20
+# The states in which a rollout waits for someone (or something) to decide.
+GATED_STATES = (RolloutState.AWAITING_APPROVAL, RolloutState.AWAITING_WEBHOOK, RolloutState.PAUSED)
+
+
+def gated_context(request) -> list[dict[str, Any]]:
+    """Fan-outs in waves that wait for a decision (approval, the webhook, or paused), oldest
+    first, with the gate actions that apply when the user may change runs. One query."""
+    may_steer = request.user.has_perm("jobs.change_jobrun")
+    gated = (
+        Rollout.objects.filter(state__in=GATED_STATES, run__status=RunStatus.RUNNING)
+        .select_related("run__template")
+        .order_by("updated_at")[:GATED_SHOWN]
+    )
+    return [
+        {
+            "rollout": rollout,
+            "url": run_url(rollout.run_id),
+            "actions": [a for a, states in APPLIES.items() if may_steer and rollout.state in states],
+        }
+        for rollout in gated
+        if rollout.run.cursor == rollout.index
+    ]
+
+
 def failures_context() -> list[dict[str, Any]]:
     return [{"run": run, "url": run_url(run.pk)} for run in runs_failed_recent()]
 
@@ -258,6 +285,8 @@ def dashboard_context(request) -> dict[str, Any]:
         **stuck_context(now),
         "stuck_after": duration_format(stuck_after()),
         "rollouts": rollouts_context(now),
+        "gated": gated_context(request),
+        "dashboard_url": reverse("dashboard"),
         "failures": failures_context(),
         "run_statuses": {status.value: status.label for status in RunStatus},
         "refresh_ms": DASHBOARD_REFRESH_MS,

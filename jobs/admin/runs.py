@@ -33,6 +33,7 @@ from ..timeview import clock_ms
 from ..waiting import Waiting, runs_waiting
 from .display import json_block, run_url, status_badge, waiting_html
 from .paging import EstimatedCountPaginator
+from .rollouts import rollout_action_view, rollouts_view
 
 log = logging.getLogger(__name__)
 
@@ -313,8 +314,10 @@ class JobRunAdmin(admin.ModelAdmin):
 
     def get_urls(self):
         timeline = self.admin_site.admin_view(self.timeline_view)
+        rollout = self.admin_site.admin_view(self.rollout_view)
         return [
             path("<path:object_id>/timeline/", timeline, name="jobs_jobrun_timeline"),
+            path("<path:object_id>/rollout/<slug:verb>/", rollout, name="jobs_jobrun_rollout"),
             *super().get_urls(),
         ]
 
@@ -346,8 +349,15 @@ class JobRunAdmin(admin.ModelAdmin):
             request, "admin/jobs/jobrun/timeline.html", self._timeline_context(request, run)
         )
 
+    def rollout_view(self, request, object_id, verb):
+        """A gate button of the run page or the dashboard: pause, resume, approve, abort."""
+        return rollout_action_view(self, request, object_id, verb)
+
     def _timeline_context(self, request, run: JobRun) -> dict:
         return {
+            "rollouts": rollouts_view(run),
+            "can_steer": self.has_change_permission(request, run),
+            "inside_form": True,  # the run page's change form holds the timeline
             "timeline": run_timeline(run),
             "timeline_url": reverse("admin:jobs_jobrun_timeline", args=[run.pk]),
             "refresh_ms": RUN_REFRESH_MS,

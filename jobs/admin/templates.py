@@ -136,6 +136,7 @@ class JobStepInline(admin.StackedInline):
                     ("abort_criteria",),
                     ("compensation_per_minute",),
                     ("continuous", "open_seconds"),
+                    ("waves",),
                 ],
             },
         ),

@@ -12,6 +12,12 @@ criterion and the failure breakdown; when all rows ended, the success criterion 
 Pumps of one fan-out are serialized by a row lock on the run (SQLite: by its write lock).
 A continuous fan-out (`continuous` on the step) stays open after its rows ended, for the
 devices that join it (jobs/engine/continuous.py), and is decided when it closes.
+
+A step with `waves` (jobs/engine/waves.py) has a `Rollout` row: the pump starts only rows of
+the open wave (and earlier ones) and only while the rollout runs; when the open wave's rows
+all ended its condition is checked (fail: pause, or abort), then it soaks and its gate
+opens the next wave (auto), waits for an operator (approval) or asks a webhook (a Celery
+task on the io queue, webhooks/gates.py). Operators' actions: jobs/rollouts.py.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
 from .. import templating
-from ..choices import AbortCause, RolloutIncrementOn
+from ..choices import AbortCause, RolloutIncrementOn, WaveGate
 from ..deadlines import FANOUT_CLOSE, Deadline, deadlines_set
 from ..events import event_record
 from ..models import (
@@ -37,6 +44,8 @@ from ..models import (
     ContinuousFanout,
     JobRun,
     Phase,
+    Rollout,
+    RolloutState,
     RunStatus,
     StepRun,
     StepStatus,
@@ -46,6 +55,14 @@ from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, args_renderer, fanout_devices, fanout_target
 from .rollback import compensation_next
 from .start import StepRefused
+from .waves import WAVES_EXPANDED_MAX, wave_aborts, wave_gate, wave_name, wave_verdict, waves_expand
+
+# The wave of a retry's carried rows (succeeded in the run it retries): past any real wave
+# (a rollout has at most WAVES_EXPANDED_MAX), so no wave's condition counts them.
+CARRIED_WAVE = 32767
+# The task that asks a wave's webhook gate (webhooks/tasks.py), named so the engine does not
+# import the webhooks app.
+WAVE_GATE_TASK = "webhooks.wave_gate"
 
 # The window of the rollout rate.
 RATE_WINDOW = timedelta(minutes=1)
@@ -175,6 +192,8 @@ def fanout_start(run: JobRun, index: int) -> None:
         fanout_pump(run=run, index=index)
         return
     if _rows(run, index).exists():  # a redelivered task, or a retry's carried-over rows
+        if spec.get("waves") and _rollout(run, index) is None:
+            _waves_split_written(run, index)
         if spec.get("continuous"):
             fanout_open(run=run, index=index)
         fanout_pump(run=run, index=index)
@@ -199,22 +218,33 @@ def fanout_start(run: JobRun, index: int) -> None:
         raise StepRefused(
             "", f"{len(devices)} devices match {target}, more than IOTQUEUE_FANOUT_MAX_DEVICES ({limit})"
         )
+    assigned, waves = waves_expand(spec.get("waves") or [], devices)
+    if len(waves) > WAVES_EXPANDED_MAX:
+        raise StepRefused(
+            "", f"{target}: the waves split into {len(waves)} waves, more than {WAVES_EXPANDED_MAX}"
+        )
     rows = []
     try:
         render = args_renderer(run, spec["args"])
     except templating.TemplateError as exc:
         raise StepRefused("", str(exc)) from None
-    for device in devices:
+    for device, wave in zip(devices, assigned, strict=True):
         try:
             args = render(device)
         except templating.TemplateError as exc:
             raise StepRefused(device.name, str(exc)) from None
-        rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))
+        rows.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args, wave=wave))
+    # In wave order, so ids follow the waves and the pump's next rows are the open wave's.
+    rows.sort(key=lambda row: row.wave)
     StepRun.objects.bulk_create(rows, ignore_conflicts=True)
     _statistics_refresh(len(rows))
     event_record("step.fanout", run=run, message=f"{spec['action']} to {len(devices)} devices", index=index)
     if spec.get("continuous"):
         fanout_open(run=run, index=index)
+    if spec.get("waves"):
+        Rollout.objects.get_or_create(run=run, index=index, defaults={"waves": waves})
+        message = f"{wave_name(0, waves)}: {waves[0]['size']} devices"
+        event_record("wave.started", run=run, message=message, index=index, wave=1, by="auto")
     fanout_pump(run=run, index=index)
 
 
@@ -248,6 +278,25 @@ def fanout_is_open(run: JobRun, index: int) -> bool:
     if not run.plan[index].get("continuous"):
         return False
     return ContinuousFanout.objects.filter(run=run, index=index, closed_at=None).exists()
+
+
+def _waves_split_written(run: JobRun, index: int) -> None:
+    """A retry wrote the rows (jobs/retry.py: the devices that did not succeed, and the
+    successes it carries): split the devices that run again into the step's waves, a canary
+    of them first. The carried rows go to CARRIED_WAVE, which no wave's condition counts."""
+    spec = run.plan[index]
+    rows = _rows(run, index)
+    rows.exclude(status=StepStatus.PENDING).update(wave=CARRIED_WAVE)
+    rows.filter(status=StepStatus.PENDING).update(wave=0)
+    pending = list(rows.filter(status=StepStatus.PENDING).select_related("device").order_by("device__name"))
+    assigned, waves = waves_expand(spec["waves"], [row.device for row in pending])
+    for number in range(1, len(waves)):
+        rows.filter(
+            pk__in=[row.pk for row, wave in zip(pending, assigned, strict=True) if wave == number]
+        ).update(wave=number)
+    Rollout.objects.create(run=run, index=index, waves=waves)
+    message = f"{wave_name(0, waves)}: {waves[0]['size']} devices"
+    event_record("wave.started", run=run, message=message, index=index, wave=1, by="auto")
 
 
 def _statistics_refresh(written: int) -> None:
@@ -328,6 +377,9 @@ def fanout_pump(*, run: JobRun, index: int, phase: str = Phase.FORWARD) -> int:
     with transaction.atomic():
         JobRun.objects.select_for_update().filter(pk=run.pk).first()
         rows = _rows(run, index, phase)
+        rollout = _rollout(run, index) if spec.get("waves") and phase == Phase.FORWARD else None
+        if rollout is not None and rollout.state != RolloutState.RUNNING:
+            return 0  # paused, soaking or at a gate: nothing starts
         max_in_flight = spec.get("max_in_flight") or 0
         allowed, rate_window = fanout_pace(spec, rows, phase)
         window = rows.filter(queued_at__gt=now - rate_window)
@@ -340,7 +392,10 @@ def fanout_pump(*, run: JobRun, index: int, phase: str = Phase.FORWARD) -> int:
             started_in_window=window.count() if allowed else 0,
         )
         # The rows to start, and the first one left pending (the next pump's anchor).
-        pending = rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True)
+        pending = rows.filter(status=StepStatus.PENDING)
+        if rollout is not None:
+            pending = pending.filter(wave__lte=rollout.wave)
+        pending = pending.order_by("pk").values_list("pk", flat=True)
         chosen = list(pending[: room + 1])
         start, left = chosen[:room], chosen[room:]
         deadline = now + timedelta(seconds=spec["queue_timeout_seconds"])
@@ -400,13 +455,14 @@ def fanout_progress(*, run: JobRun, index: int) -> bool:
         locked = JobRun.objects.select_for_update().filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index)
         if not locked.exists():
             return False
-        _fanout_decide(run=run, index=index)
+        fanout_decide(run=run, index=index)
     return True
 
 
-def _fanout_decide(*, run: JobRun, index: int) -> None:
+def fanout_decide(*, run: JobRun, index: int) -> None:
     """Abort, pump or decide, from what each needs: abort criteria are counted only once a
-    row failed (none can trip before), and the whole step is counted once, at its end."""
+    row failed (none can trip before), and the whole step is counted once, at its end.
+    Call it under the run's row lock, with the run at this step (fanout_progress does)."""
     spec = run.plan[index]
     rows = _rows(run, index)
     if abort_criteria(spec) and rows.filter(status__in=FAILING).exists():
@@ -417,6 +473,9 @@ def _fanout_decide(*, run: JobRun, index: int) -> None:
             breakdown = ", ".join(f"{n}x {reason}" for reason, n in reasons.most_common(5))
             fanout_abort(run=run, index=index, tripped=tripped, breakdown=breakdown)
             return
+    rollout = _rollout(run, index) if spec.get("waves") else None
+    if rollout is not None and not _rollout_progress(run=run, index=index, rollout=rollout, rows=rows):
+        return
     if rows.filter(status=StepStatus.PENDING).exists():
         fanout_pump(run=run, index=index)
         return
@@ -433,6 +492,7 @@ def _fanout_decide(*, run: JobRun, index: int) -> None:
     ok = rollout_succeeded(succeeded=succeeded, total=total, success_percent=spec.get("success_percent", 100))
     message = f"{succeeded} of {total} devices succeeded" + (f"; failures: {breakdown}" if failed else "")
     event_record("step.fanout_done", run=run, message=message, index=index, by_status=dict(by_status))
+    Rollout.objects.filter(run=run, index=index).update(state=RolloutState.ENDED)
     step_done_apply(
         str(run.pk),
         index,
@@ -445,11 +505,6 @@ def _fanout_decide(*, run: JobRun, index: int) -> None:
 def fanout_abort(*, run: JobRun, index: int, tripped: dict[str, Any], breakdown: str) -> None:
     """An abort criterion tripped: skip the rows not started, fail the step saying which
     criterion and what it counted. Rows already at work finish (their outcome is recorded)."""
-    skipped = (
-        _rows(run, index)
-        .filter(status=StepStatus.PENDING)
-        .update(status=StepStatus.SKIPPED, error="rollout aborted", finished_at=timezone.now())
-    )
     cause = tripped["cause"]
     counted = "failed, rejected or timed out" if cause == AbortCause.ANY else cause.replace("_", " ")
     error = (
@@ -457,12 +512,187 @@ def fanout_abort(*, run: JobRun, index: int, tripped: dict[str, Any], breakdown:
         f"{tripped['executed']} devices {counted} ({tripped['percent']}% > "
         f"{tripped['threshold_percent']}%): {breakdown}"
     )
+    fanout_stop(run=run, index=index, error=error, criterion=tripped)
+
+
+def fanout_stop(*, run: JobRun, index: int, error: str, **data: Any) -> None:
+    """Abort the rollout: skip the rows not started and fail the step with `error` (a
+    `step.aborted` event with `data`). Rows already at work finish. Call it under the run's
+    row lock, with the run at this step."""
+    skipped = (
+        _rows(run, index)
+        .filter(status=StepStatus.PENDING)
+        .update(status=StepStatus.SKIPPED, error="rollout aborted", finished_at=timezone.now())
+    )
     event_record(
         "step.aborted",
         run=run,
         message=f"{error}; {skipped} devices not started",
         index=index,
-        criterion=tripped,
         skipped=skipped,
+        **data,
     )
+    Rollout.objects.filter(run=run, index=index).update(state=RolloutState.ENDED)
     step_done_apply(str(run.pk), index, ok=False, status=StepStatus.FAILED, error=error)
+
+
+# --- waves and gates ----------------------------------------------------------------------
+
+
+def _rollout(run: JobRun, index: int) -> Rollout | None:
+    return Rollout.objects.filter(run=run, index=index).first()
+
+
+def _rollout_progress(*, run: JobRun, index: int, rollout: Rollout, rows) -> bool:
+    """A waved fan-out's progress: True when the step may be decided (its last wave ended
+    and passed); else it pumped the open wave, waits for it, or decided the wave's end."""
+    if rollout.state != RolloutState.RUNNING:
+        return False  # rows that end meanwhile are counted when it goes on
+    open_rows = rows.filter(wave__lte=rollout.wave)
+    if open_rows.filter(status=StepStatus.PENDING).exists():
+        fanout_pump(run=run, index=index)
+        return False
+    if open_rows.filter(status__in=ACTIVE).exists():
+        return False
+    if not rollout.wave_checked and not _wave_end(run=run, index=index, rollout=rollout, rows=rows):
+        return False
+    if rollout.wave == len(rollout.waves) - 1:
+        return True
+    rollout.wave += 1
+    rollout.wave_checked = False
+    rollout.state, rollout.reason, rollout.soak_until = RolloutState.RUNNING, "", None
+    rollout.save()
+    message = f"{wave_name(rollout.wave, rollout.waves)}: {rollout.waves[rollout.wave]['size']} devices"
+    event_record(
+        "wave.started",
+        run=run,
+        message=message,
+        index=index,
+        wave=rollout.wave + 1,
+        by=rollout.decided_by or "auto",
+    )
+    fanout_pump(run=run, index=index)
+    return False
+
+
+def _wave_end(*, run: JobRun, index: int, rollout: Rollout, rows) -> bool:
+    """The open wave's rows all ended: check its condition, then pause, abort, soak or ask
+    its gate. True when the rollout goes on at once (the last wave passed, or an auto gate)."""
+    wave = rollout.waves[rollout.wave]
+    name = wave_name(rollout.wave, rollout.waves)
+    by_status = _status_counts(rows.filter(wave=rollout.wave))
+    passed, counted = wave_verdict(wave, by_status)
+    rollout.wave_checked = True
+    rollout.decided_by = "auto"
+    message = f"{name} ended: {counted}" + ("" if passed else "; its condition failed")
+    event_record(
+        "wave.ended",
+        run=run,
+        message=message,
+        index=index,
+        wave=rollout.wave + 1,
+        by_status=dict(by_status),
+        passed=passed,
+        by="auto",
+    )
+    if not passed and wave_aborts(wave):
+        rollout.save()
+        fanout_stop(
+            run=run, index=index, error=f"step {index}: rollout aborted: {name} failed: {counted}", by="auto"
+        )
+        return False
+    if not passed:
+        rollout_pause(run=run, rollout=rollout, by="auto", reason=f"{name} failed: {counted}")
+        return False
+    if rollout.wave == len(rollout.waves) - 1:
+        rollout.save()
+        return True
+    soak = wave.get("soak_seconds") or 0
+    # The member names the next wave's first row (pending: attempt 0), as a pump's does.
+    anchor = rows.filter(wave=rollout.wave + 1).order_by("pk").values_list("pk", flat=True).first()
+    if soak and anchor is not None:
+        rollout.state = RolloutState.SOAKING
+        rollout.soak_until = timezone.now() + timedelta(seconds=soak)
+        rollout.save()
+        deadlines_set({Deadline("soak", anchor, 0): rollout.soak_until})
+        until = rollout.soak_until.isoformat(timespec="seconds")
+        event_record(
+            "rollout.soaking", run=run, message=f"{name} soaks until {until}", index=index, by="auto"
+        )
+        return False
+    return wave_gate_ask(run=run, rollout=rollout)
+
+
+def wave_gate_ask(*, run: JobRun, rollout: Rollout) -> bool:
+    """The open wave passed (and soaked): its gate decides. True for an auto gate (go on);
+    an approval gate waits for an operator, a webhook gate for the webhook's answer (asked
+    by a task on the io queue after the commit: the engine never waits on HTTP)."""
+    wave = rollout.waves[rollout.wave]
+    gate, index = wave_gate(wave), rollout.index
+    name, following = wave_name(rollout.wave, rollout.waves), rollout.wave + 2
+    if gate == WaveGate.AUTO:
+        rollout.state, rollout.decided_by = RolloutState.RUNNING, "auto"
+        rollout.save()
+        event_record(
+            "rollout.approved",
+            run=run,
+            message=f"{name} passed: wave {following} opens",
+            index=index,
+            by="auto",
+        )
+        return True
+    if gate == WaveGate.APPROVAL:
+        rollout.state, rollout.reason = (
+            RolloutState.AWAITING_APPROVAL,
+            f"awaiting approval of wave {following}",
+        )
+        rollout.save()
+        event_record(
+            "rollout.awaiting_approval",
+            run=run,
+            message=f"{name} passed: {rollout.reason}",
+            index=index,
+            by="auto",
+        )
+        return False
+    rollout.state, rollout.reason = (
+        RolloutState.AWAITING_WEBHOOK,
+        f"asking {wave['webhook_url']} for wave {following}",
+    )
+    rollout.save()
+    event_record(
+        "rollout.awaiting_webhook",
+        run=run,
+        message=f"{name} passed: {rollout.reason}",
+        index=index,
+        by="auto",
+    )
+    kwargs = {"run_id": str(run.pk), "index": index, "wave": rollout.wave}
+    transaction.on_commit(lambda: current_app.signature(WAVE_GATE_TASK, kwargs=kwargs).apply_async())
+    return False
+
+
+def rollout_pause(*, run: JobRun, rollout: Rollout, by: str, reason: str) -> None:
+    """Pause the rollout: no row starts until it is resumed (rows at work finish)."""
+    rollout.state, rollout.reason, rollout.decided_by = RolloutState.PAUSED, reason[:500], by
+    rollout.save()
+    message = f"paused by {by}" + (f": {reason}" if reason else "")
+    event_record("rollout.paused", run=run, message=message, index=rollout.index, by=by, reason=reason)
+
+
+@deadline_handler("soak")
+def soak_due(step_run: StepRun, deadline: Deadline) -> None:
+    """A wave's soak time is over: its gate decides (unless the rollout moved on meanwhile)."""
+    run, index = step_run.run, step_run.index
+    with transaction.atomic():
+        if (
+            not JobRun.objects.select_for_update()
+            .filter(pk=run.pk, status=RunStatus.RUNNING, cursor=index)
+            .exists()
+        ):
+            return
+        rollout = _rollout(run, index)
+        if rollout is None or rollout.state != RolloutState.SOAKING or rollout.wave != step_run.wave - 1:
+            return
+        if wave_gate_ask(run=run, rollout=rollout):
+            fanout_decide(run=run, index=index)
