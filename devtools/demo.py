@@ -2,7 +2,7 @@
 message starts a run; a nightly schedule; a firmware update whose first step is a Celery task
 (devtools/demo_tasks.py) that tells the lamp what to flash; and a Celery chain of two device
 commands (jobs/canvas.py), the camera's snapshot handed to the lamp; and a firmware rollout to
-twelve bulbs chosen by a label selector, whose rate ramps up as bulbs succeed. The morning
+twelve bulbs chosen by a label selector, in three waves, whose rate ramps up as bulbs succeed. The morning
 routine is edited once after it is created, so it has two versions (jobs/services.py
 template_version_record) and its runs execute version 2.
 
@@ -72,7 +72,7 @@ FIRMWARE_STEPS = [
 ]
 # A fleet of bulbs and a fan-out step over them: a label selector picks the lab's bulbs when
 # the step starts, and the rollout starts at 60 a minute and doubles after every 3 bulbs that
-# succeeded, up to 600 a minute (AWS IoT Jobs' exponential rate).
+# succeeded, up to 600 a minute (AWS IoT Jobs' exponential rate), in three waves.
 BULBS = {f"bulb-{n:02d}": {"site": "lab", "kind": "bulb"} for n in range(1, 13)}
 BULBS_TEMPLATE = "Bulb rollout"
 BULBS_STEP = {
@@ -84,6 +84,9 @@ BULBS_STEP = {
     "rollout_increment_factor": 2.0,
     "rollout_increment_every": 3,
     "rollout_max_per_minute": 600,
+    # In waves, as a fleet rollout is steered: a canary bulb, then a quarter, then the rest;
+    # their gates are automatic so the demo never waits for a person (docs/orchestration.md).
+    "waves": [{"count": 1}, {"percent": 25}, {"rest": True}],
 }
 # The demo's devices are played by the device agent library (`manage.py demo_devices`,
 # devtools/demo_devices.py); this config keeps the simulator away from them.
@@ -264,7 +267,10 @@ def demo_ramp_line(run: JobRun) -> str:
     if not sent:
         return f"{BULBS_TEMPLATE}: no bulb commanded"
     offsets = " ".join(f"+{(when - sent[0]).total_seconds():.1f}s" for when in sent)
-    return f"{BULBS_TEMPLATE}: {len(sent)} bulbs commanded at {offsets} (60/min, doubling every 3 successes)"
+    return (
+        f"{BULBS_TEMPLATE}: {len(sent)} bulbs commanded at {offsets} "
+        "(60/min, doubling every 3 successes; waves: 1 bulb, 25 %, the rest)"
+    )
 
 
 def demo_canvas() -> AsyncResult:

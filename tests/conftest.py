@@ -37,6 +37,7 @@ from iotqueue import celery_app
 from iotqueue.dynsec import control
 from iotqueue.mqtt import publisher
 from iotqueue.redis_conn import redis_connection
+from jobs.limits import limits_forget
 
 # Flushing between transactional tests TRUNCATEs every table while the worker and bridge
 # may still be finishing a test's runs; on PostgreSQL the two can deadlock, and PostgreSQL
@@ -184,6 +185,15 @@ def _language_reset() -> Iterator[None]:
     the thread (LocaleMiddleware activates a request's language and never deactivates it)."""
     yield
     translation.deactivate()
+
+
+@pytest.fixture(autouse=True)
+def _limits_forgotten() -> Iterator[None]:
+    """Each test reads the shared concurrency limits afresh: a process keeps them for a few
+    seconds (jobs/limits.py), and a test's rolled-back limits fire no signal that forgets
+    them, so the next test would see limits its database does not hold."""
+    yield
+    limits_forget()
 
 
 @pytest.fixture(autouse=True)
