@@ -1,5 +1,7 @@
 """Devices: what the engine can send commands to, and what presence says about them."""
 
+import zoneinfo
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -24,6 +26,18 @@ def labels_validate(value) -> None:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise ValidationError(_('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.'))
+
+
+def time_zone_validate(value: str) -> None:
+    """An IANA time zone name zoneinfo knows (time windows, quiet hours)."""
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValidationError(
+            _("Unknown time zone %(zone)s: use an IANA name such as Europe/Berlin."),
+            code="invalid",
+            params={"zone": value},
+        ) from None
 
 
 def config_validate(value) -> None:
@@ -134,6 +148,28 @@ class Device(models.Model):
         help_text=_(
             "Send commands only while the device reports online. Turn off for firmware that "
             "publishes no status or heartbeat (it is then always treated as reachable)."
+        ),
+    )
+    # Time windows: the device's quiet hours, in its own time zone (or its `tz` label).
+    timezone = models.CharField(
+        _("time zone"),
+        max_length=64,
+        blank=True,
+        validators=[time_zone_validate],
+        help_text=_("An IANA name, e.g. Europe/Berlin; empty = its tz label, else UTC."),
+    )
+    quiet_hours_start = models.TimeField(
+        _("quiet hours start"),
+        null=True,
+        blank=True,
+        help_text=_("Local time from which no command is sent (unless its step is urgent), e.g. 08:00."),
+    )
+    quiet_hours_end = models.TimeField(
+        _("quiet hours end"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Local time at which commands may go again, e.g. 21:00 (before the start: over midnight)."
         ),
     )
     online = models.BooleanField(

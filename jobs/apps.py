@@ -14,6 +14,7 @@ KIND_MODULES = (
     "jobs.engine.rollback",  # the rollback policy and its compensation rows
     "jobs.engine.due",  # the deadlines of an attempt
     "jobs.cancel",  # the `run` deadline (max_duration)
+    "jobs.run_windows",  # the `start` and `end` deadlines (a run's start-not-before, end-by)
 )
 
 

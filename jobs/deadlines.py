@@ -6,7 +6,9 @@ answer in time), `retry` (back-off over: queue again), `send` (the command was c
 but its publish never confirmed: send it again), `dispatch` (flow control: the device may
 take its next command now), `wake` (a delay step is over), `pump` (a fan-out's rollout
 rate allows starting more devices; the member names a row of the fan-out not yet started),
-`run` (a run's max_duration is over; the member names the run by its UUID, not a step row).
+`run` (a run's max_duration is over; the member names the run by its UUID, not a step row),
+`window` (a command held by its time windows may go: jobs/engine/holds.py), `start` and
+`end` (a run's start-not-before and end-by: jobs/run_windows.py; they name the run too).
 
 The set is sharded like the device locks (devices/locks.py) and lives with them (on
 LOCK_REDIS_URL's Redis): a deadline of a step on a device (`DEVICE_KINDS`) is in its
@@ -36,11 +38,11 @@ from redis.commands.core import Script
 from devices.locks import fair_shares, lock_shard, lock_shards, scripts_call, shard_key
 from iotqueue.redis_conn import lock_redis_connection, redis_key
 
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run")
+KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "run", "window", "start", "end")
 # Kinds whose member names a run (its UUID) instead of a step row.
-RUN_KINDS = ("run",)
+RUN_KINDS = ("run", "start", "end")
 # Kinds kept in the shard of the step's device (the lock scripts write some of them).
-DEVICE_KINDS = ("queue", "ack", "done", "retry", "send", "dispatch")
+DEVICE_KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "window")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Every unfinished step row is waiting for something: its device to come online, the device's
 lock (held by another run's step, with this step's place in the queue), flow control's next
-allowed send, the rollout rate, a delay, a back-off before the next attempt, or the device's
-`done`. `steps_waiting` / `runs_waiting` answer for a page of rows or runs with a fixed
-number of queries and one pipeline to the lock Redis (lock holders and queues, the
+allowed send, the rollout rate, a delay, a back-off before the next attempt, a maintenance
+window to open or quiet hours to end (time windows), or the device's `done`.
+`steps_waiting` / `runs_waiting` answer for a page of rows or runs with a fixed number
+of queries and one pipeline to the lock Redis (lock holders and queues, the
 deadlines that say when flow control, a rollout or a back-off lets the step go on); nothing
 here writes. `runs_stuck` lists the runs whose oldest unfinished step has waited past
 IOTQUEUE_STUCK_AFTER_SECONDS.
@@ -33,8 +34,10 @@ from devices.locks import LOCK_STATE_REPLIES, LockState, device_lock_state_parse
 from iotqueue.redis_conn import lock_redis_connection
 
 from .deadlines import Deadline, deadlines_key
+from .engine.holds import device_quiet_hours, row_hold, window_groups_read
 from .engine.plan import holder_step_id, spec_kind, step_holder, step_spec
 from .models import STEP_AT_WORK, STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepKind, StepRun, StepStatus
+from .timewindows import Hold, zone
 
 # Rows with something still to come: at work, or a fan-out's device not started yet.
 UNFINISHED = (StepStatus.PENDING, *STEP_AT_WORK)
@@ -57,6 +60,9 @@ REASONS = {
     "task_step": "a task step's Celery task is running",
     "device_working": "the command was sent; the device's done is awaited (up to the deadline)",
     "retry_backoff": "an attempt failed; the next one starts after the back-off",
+    "window": "the device is outside every maintenance window that applies; it waits for the next opening",
+    "quiet_hours": "the device is in its quiet hours (its own time zone); the step is not urgent",
+    "run_not_before": "the run was started with a start-not-before still ahead",
 }
 
 
@@ -111,6 +117,8 @@ class WaitFacts:
     fanouts: dict[tuple[uuid.UUID, int], tuple[int, int | None]] = field(default_factory=dict)
     # step row pk -> (run id, index) of the holders of the devices' locks
     holders: dict[int, tuple[uuid.UUID, int]] = field(default_factory=dict)
+    # device name -> its group names, for devices whose run has group maintenance windows
+    groups: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def _needs_lock(row: StepRun) -> bool:
@@ -124,8 +132,12 @@ def _needs_lock(row: StepRun) -> bool:
 
 
 def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
-    """Two queries at most (fan-out counts, lock holders' rows) and one Redis pipeline."""
+    """Three queries at most (fan-out counts, lock holders' rows, devices' groups when a
+    group's maintenance window applies) and one Redis pipeline."""
     facts = WaitFacts()
+    facts.groups = window_groups_read(
+        (row.run, row.device.name) for row in rows if row.status == StepStatus.QUEUED and row.device_id
+    )
     fanout_keys = {(row.run_id, row.index) for row in rows if row.status == StepStatus.PENDING}
     if fanout_keys:
         runs = {run_id for run_id, _index in fanout_keys}
@@ -222,6 +234,9 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
             device=device.name,
             since=row.queued_at,
         )
+    hold = row_hold(row, now, facts.groups)
+    if hold is not None:
+        return _held(row, hold, now)
     if not device.reachable:
         return _offline(row, now)
     state = facts.locks.get(device.name)
@@ -262,6 +277,20 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
         blocking_step=blocker[1] if blocker else None,
         queue_position=position,
     )
+
+
+def _held(row: StepRun, hold: Hold, now: datetime) -> Waiting:
+    """A command its time windows hold (jobs/engine/holds.py): until when, and why."""
+    device = row.device
+    values = {"device": device.name, "window": hold.window, "until": clock(hold.until, now=now)}
+    if hold.reason == "window":
+        message = _("Outside maintenance window %(window)s, opens at %(until)s") % values
+    else:
+        quiet = device_quiet_hours(device)
+        values["local"] = hold.until.astimezone(zone(quiet.tz)).strftime("%H:%M") if quiet else "-"
+        values["tz"] = quiet.tz if quiet else "-"
+        message = _("Quiet hours on %(device)s until %(until)s (%(local)s %(tz)s)") % values
+    return Waiting(hold.reason, message, device=device.name, until=hold.until)
 
 
 def _wait_online(row: StepRun, now: datetime) -> Waiting:
@@ -446,6 +475,15 @@ def _runs_told(
         row = current.get(run.pk)
         if row is not None:
             waiting[run.pk] = by_row[row.pk]
+        elif (
+            run.status == RunStatus.PENDING and run.not_before is not None and run.not_before > timezone.now()
+        ):
+            waiting[run.pk] = Waiting(
+                "run_not_before",
+                _("The run starts at %(until)s (its start-not-before)") % {"until": clock(run.not_before)},
+                since=run.created_at,
+                until=run.not_before,
+            )
         elif run.status == RunStatus.PENDING:
             waiting[run.pk] = Waiting(
                 "run_pending", _("Waiting for a worker to start the run"), since=run.created_at
@@ -485,6 +523,7 @@ def runs_stuck(
     )
     unstarted = list(
         JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=cutoff)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lt=now))
         .order_by("-created_at")
         .values_list("pk", "created_at")[:limit]
     )
