@@ -40,6 +40,14 @@ def time_zone_validate(value: str) -> None:
         ) from None
 
 
+def quiet_hours_problem(start, end) -> dict[str, str]:
+    """A device's quiet hours are both times or neither: {field: message} of what is wrong."""
+    if (start is None) != (end is None):
+        field = "quiet_hours_end" if end is None else "quiet_hours_start"
+        return {field: str(_("Give both the start and the end of the quiet hours, or neither."))}
+    return {}
+
+
 def config_validate(value) -> None:
     if not isinstance(value, dict):
         raise ValidationError(_('Config must be a JSON object, e.g. {"mode": "eco"}.'))
@@ -204,6 +212,11 @@ class Device(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        problem = quiet_hours_problem(self.quiet_hours_start, self.quiet_hours_end)
+        if problem:
+            raise ValidationError(problem)
 
     @property
     def reachable(self) -> bool:

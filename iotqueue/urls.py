@@ -10,13 +10,21 @@ from devices.api import DeviceGroupViewSet, DeviceViewSet
 from iotqueue.auth_token import TokenObtainView
 from iotqueue.views import metrics_view
 from jobs.admin.dashboard import dashboard_urls
-from jobs.api import CanvasCancelView, DeviceLockReleaseView, DeviceLockView, RunViewSet, TemplateViewSet
+from jobs.api import (
+    CanvasCancelView,
+    DeviceLockReleaseView,
+    DeviceLockView,
+    MaintenanceWindowViewSet,
+    RunViewSet,
+    TemplateViewSet,
+)
 from triggers.api import ScheduleViewSet, TriggerRuleViewSet
 from webhooks.api import WebhookViewSet
 
 router = DefaultRouter()
 router.register("runs", RunViewSet, basename="run")
 router.register("templates", TemplateViewSet, basename="template")
+router.register("windows", MaintenanceWindowViewSet, basename="window")
 router.register("devices", DeviceViewSet, basename="device")
 router.register("groups", DeviceGroupViewSet, basename="group")
 router.register("schedules", ScheduleViewSet, basename="schedule")

@@ -330,6 +330,22 @@ def _eight_years():
     return (first + timedelta(days=n) for n in range(OPENING_SEARCH_DAYS))
 
 
+def window_target_problems(*, template: object, group: object, label_key: str, label_value: str) -> dict:
+    """What a maintenance window applies to: exactly one of a template, a device group or a
+    label key=value; {field: message} naming the fields at fault."""
+    given = [name for name, value in (("template", template), ("group", group)) if value]
+    if label_key or label_value:
+        given.append("label_key")
+    if len(given) != 1:
+        message = _("Name exactly one of a template, a device group or a label key=value.")
+        return {name: message for name in given or ["template", "group", "label_key"]}
+    if (label_key or label_value) and not (label_key and label_value):
+        return {
+            "label_value" if label_key else "label_key": _("A label window needs both the key and the value.")
+        }
+    return {}
+
+
 class EndBehaviour(models.TextChoices):
     """What a run's end by ends (time windows)."""
 
@@ -352,8 +368,8 @@ class MaintenanceWindow(models.Model):
     )
     duration_minutes = models.PositiveIntegerField(
         _("duration (minutes)"),
-        validators=[MinValueValidator(1)],
-        help_text=_("How long it stays open after each start."),
+        validators=[MinValueValidator(1), MaxValueValidator(WINDOW_MAX_MINUTES)],
+        help_text=_("How long it stays open after each start (at most a week)."),
     )
     timezone = models.CharField(
         _("time zone"),
@@ -392,15 +408,14 @@ class MaintenanceWindow(models.Model):
         return self.name
 
     def clean(self) -> None:
-        targets = [bool(self.template_id), bool(self.group_id), bool(self.label_key or self.label_value)]
-        if sum(targets) != 1:
-            raise ValidationError(_("Name exactly one of a template, a device group or a label key=value."))
-        if (self.label_key or self.label_value) and not (self.label_key and self.label_value):
-            raise ValidationError({"label_value": _("A label window needs both the key and the value.")})
-        if self.duration_minutes and self.duration_minutes > WINDOW_MAX_MINUTES:
-            raise ValidationError(
-                {"duration_minutes": _("At most %(max)d minutes (a week).") % {"max": WINDOW_MAX_MINUTES}}
-            )
+        problems = window_target_problems(
+            template=self.template_id,
+            group=self.group_id,
+            label_key=self.label_key,
+            label_value=self.label_value,
+        )
+        if problems:
+            raise ValidationError(problems)
 
     @property
     def applies_to(self) -> str:

@@ -74,8 +74,11 @@ def window_groups_read(pairs: Iterable[tuple[JobRun, str]]) -> dict[str, frozens
     """The group names of the devices (by name) whose run has group windows: one query
     when there are any, none otherwise."""
     names = {device for run, device in pairs if run.windows and run_has_group_windows(run)}
-    if not names:
-        return {}
+    return device_groups_read(names) if names else {}
+
+
+def device_groups_read(names: Iterable[str]) -> dict[str, frozenset[str]]:
+    """The group names of the devices (by name): one query."""
     groups: dict[str, set[str]] = {name: set() for name in names}
     for device, group in Device.groups.through.objects.filter(device__name__in=names).values_list(
         "device__name", "devicegroup__name"
