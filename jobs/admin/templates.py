@@ -230,6 +230,7 @@ class RunNowForm(forms.Form):
     end_behaviour = forms.ChoiceField(
         choices=EndBehaviour.choices,
         initial=EndBehaviour.CANCEL,
+        required=False,
         label=gettext_lazy("End behaviour"),
         help_text=gettext_lazy(
             "Cancel: the run is canceled at its end. Finish: commands at work finish, nothing new starts."
@@ -442,7 +443,7 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
             "priority": data["priority"],
             "not_before": data["not_before"],
             "end_by": data["end_by"],
-            "end_behaviour": data["end_behaviour"],
+            "end_behaviour": data["end_behaviour"] or EndBehaviour.CANCEL,
         }
         if data["group"] or data["labels"]:
             group = data["group"].name if data["group"] else ""

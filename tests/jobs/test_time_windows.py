@@ -2,6 +2,7 @@
 zone, urgent steps, a run's start-not-before and end-by (jobs/timewindows.py,
 jobs/engine/holds.py, jobs/run_windows.py)."""
 
+import uuid
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -14,12 +15,14 @@ from jobs.models import EndBehaviour, JobRun, MaintenanceWindow, RunEvent, RunSt
 from jobs.services import run_start
 from jobs.waiting import step_waiting
 from tests.conftest import wait_for
-from tests.factories import DeviceFactory, template_with_steps
+from tests.factories import DeviceFactory, JobStepFactory, template_with_steps
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 # A window opens on a whole minute: a test waits for the next one, so at most this long.
 MINUTE_WAIT_SECONDS = 90.0
+# A hold ends this far ahead: room for the test to see it held before it ends.
+HELD_SECONDS = 8
 
 
 def finished(run: JobRun) -> JobRun | None:
@@ -40,9 +43,9 @@ def held(run: JobRun, index: int = 0) -> StepRun | None:
 
 
 def next_whole_minute(now: datetime) -> datetime:
-    """The next whole minute at least 3 s away (the test sees the command held first)."""
+    """The next whole minute at least HELD_SECONDS away (the test sees the command held first)."""
     opening = (now + timedelta(minutes=1)).replace(second=0, microsecond=0)
-    return opening if opening - now >= timedelta(seconds=3) else opening + timedelta(minutes=1)
+    return opening if opening - now >= timedelta(seconds=HELD_SECONDS) else opening + timedelta(minutes=1)
 
 
 def test_a_command_outside_its_groups_window_waits_until_the_window_opens(stack, simulator):
@@ -81,14 +84,14 @@ def test_a_command_outside_its_groups_window_waits_until_the_window_opens(stack,
 
 
 def test_a_device_in_its_quiet_hours_waits_and_an_urgent_step_goes_through(stack, simulator):
-    # given two devices in Tokyo whose quiet hours began an hour ago (local time) and end in
-    # 4 seconds
+    # given two devices in Tokyo whose quiet hours began an hour ago (local time) and end
+    # shortly
     tokyo = ZoneInfo("Asia/Tokyo")
     local = timezone.now().astimezone(tokyo)
     quiet = {
         "timezone": "Asia/Tokyo",
         "quiet_hours_start": (local - timedelta(hours=1)).time().replace(microsecond=0),
-        "quiet_hours_end": (local + timedelta(seconds=4)).time().replace(microsecond=0),
+        "quiet_hours_end": (local + timedelta(seconds=HELD_SECONDS)).time().replace(microsecond=0),
     }
     calm, urgent = DeviceFactory(**quiet), DeviceFactory(labels={"tz": "Asia/Tokyo"})
     # (the second has its time zone as a label)
@@ -169,3 +172,39 @@ def test_at_its_end_by_a_run_that_finishes_lets_its_command_finish_and_starts_no
     assert "did not run" in run.error
     assert row_of(run).status == StepStatus.SUCCEEDED
     assert row_of(run, 1) is None
+
+
+def test_a_fanout_holds_only_its_device_in_quiet_hours(stack, simulator):
+    # given a labelled fleet of three, one of them in Tokyo in its quiet hours (its time zone
+    # as a `tz` label) for a few more seconds
+    label = f"shelf-{uuid.uuid4().hex[:6]}"
+    local = timezone.now().astimezone(ZoneInfo("Asia/Tokyo"))
+    end_at = (local + timedelta(seconds=HELD_SECONDS)).replace(microsecond=0)
+    end = end_at.time()
+    quiet = DeviceFactory(
+        labels={"kind": label, "tz": "Asia/Tokyo"},
+        quiet_hours_start=(local - timedelta(hours=1)).time().replace(microsecond=0),
+        quiet_hours_end=end,
+    )
+    others = [DeviceFactory(labels={"kind": label}) for _ in range(2)]
+    simulator({device.name: DeviceBehaviour() for device in [quiet, *others]})
+    step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/flash")
+
+    # when the fan-out runs
+    run, _ = run_start(template=step.template)
+
+    # then the other two are flashed while the Tokyo one waits for the end of its quiet hours
+    def others_done():
+        rows = StepRun.objects.filter(run=run, device__in=others, status=StepStatus.SUCCEEDED)
+        return rows.count() == len(others)
+
+    held_row = wait_for(
+        lambda: StepRun.objects.filter(run=run, device=quiet, events__kind="step.held").first(),
+        what="the Tokyo gateway held",
+    )
+    wait_for(others_done, what="the others flashed")
+    # and then it goes too, after the end of its quiet hours
+    assert wait_for(lambda: finished(run)).status == RunStatus.SUCCEEDED
+    held_row.refresh_from_db()
+    assert held_row.status == StepStatus.SUCCEEDED
+    assert held_row.dispatched_at >= end_at
