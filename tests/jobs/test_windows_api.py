@@ -99,6 +99,8 @@ def test_a_run_start_takes_its_time_window_and_refuses_a_bad_one(admin_api):
     run = JobRun.objects.get(pk=answer.json()["id"])
     assert (run.status, run.end_behaviour) == ("pending", EndBehaviour.FINISH)
     assert answer.json()["not_before"] is not None
+    assert answer.json()["waiting"]["reason"] == "run_not_before"
+    assert answer.json()["waiting"]["until"] is not None
     # and a window that ends before it starts, or in the past, is refused naming end_by
     past = {"template": template.name, "end_by": (timezone.now() - timedelta(minutes=1)).isoformat()}
     assert "end_by" in admin_api.post("/api/runs/", past, format="json").json()
