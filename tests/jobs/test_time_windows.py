@@ -208,3 +208,33 @@ def test_a_fanout_holds_only_its_device_in_quiet_hours(stack, simulator):
     held_row.refresh_from_db()
     assert held_row.status == StepStatus.SUCCEEDED
     assert held_row.dispatched_at >= end_at
+
+
+def test_a_command_handed_its_device_in_quiet_hours_hands_it_on_and_waits(stack, manual_device):
+    # given a device whose quiet hours begin in a few seconds and last a few more, and two
+    # runs on it: the first's command at work, the second's queued behind it
+    local = timezone.now().astimezone(ZoneInfo("Asia/Tokyo"))
+    begins = (local + timedelta(seconds=3)).replace(microsecond=0)
+    ends = begins + timedelta(seconds=HELD_SECONDS)
+    device = DeviceFactory(
+        timezone="Asia/Tokyo", quiet_hours_start=begins.time(), quiet_hours_end=ends.time()
+    )
+    hand = manual_device(device.name)
+    first, _ = run_start(template=template_with_steps((device, "first", {})))
+    command = hand.next_command()
+    second, _ = run_start(template=template_with_steps((device, "second", {})))
+    wait_for(lambda: RunEvent.objects.filter(run=second, kind="step.waiting").exists(), what="queued behind")
+
+    # when the first answers once the quiet hours began
+    wait_for(lambda: timezone.now() >= begins, what="the quiet hours")
+    hand.done(command["id"])
+
+    # then the second, handed the device, gives it up and waits for their end, then goes
+    assert wait_for(lambda: finished(first)).status == RunStatus.SUCCEEDED
+    row = wait_for(lambda: held(second), what="the handed command held")
+    assert step_waiting(row).reason == "quiet_hours" or row_of(second).status != StepStatus.QUEUED
+    later = hand.next_command(timeout=30)
+    assert later["run"] == str(second.pk)
+    assert row_of(second).dispatched_at >= ends
+    hand.done(later["id"])
+    assert wait_for(lambda: finished(second)).status == RunStatus.SUCCEEDED
