@@ -346,6 +346,15 @@ def window_target_problems(*, template: object, group: object, label_key: str, l
     return {}
 
 
+# The scope of the windows every run keeps (a device group's or a label's).
+DEVICE_WINDOWS_SCOPE = "devices"
+
+
+def window_scope(template_id: int | None) -> str:
+    """The runs a maintenance window is kept by: one template's, or every run."""
+    return f"template:{template_id}" if template_id else DEVICE_WINDOWS_SCOPE
+
+
 class EndBehaviour(models.TextChoices):
     """What a run's end by ends (time windows)."""
 
@@ -397,6 +406,10 @@ class MaintenanceWindow(models.Model):
     )
     label_key = models.CharField(_("label key"), max_length=64, blank=True)
     label_value = models.CharField(_("label value"), max_length=128, blank=True)
+    # Which runs keep it (`window_scope`): one template's, or every run (a group or label
+    # window, decided per device). A run's start reads its windows by it in one indexed
+    # read without the ORM's query compilation (jobs/services.py run_windows_snapshot).
+    scope = models.CharField(_("scope"), max_length=32, db_index=True, editable=False, default="")
     created_at = models.DateTimeField(_("created at"), auto_now_add=True)
 
     class Meta:
@@ -406,6 +419,12 @@ class MaintenanceWindow(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        self.scope = window_scope(self.template_id)
+        if kwargs.get("update_fields") is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "scope"}
+        super().save(*args, **kwargs)
 
     def clean(self) -> None:
         problems = window_target_problems(

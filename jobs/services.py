@@ -9,7 +9,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -19,7 +18,17 @@ from iotqueue.text import text_problem
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
-from .models import EndBehaviour, JobRun, JobStep, JobTemplate, MaintenanceWindow, TemplateVersion, Trigger
+from .models import (
+    DEVICE_WINDOWS_SCOPE,
+    EndBehaviour,
+    JobRun,
+    JobStep,
+    JobTemplate,
+    MaintenanceWindow,
+    TemplateVersion,
+    Trigger,
+    window_scope,
+)
 from .parameters import parameters_problem
 from .rows import row_last, row_new, rows_create, rows_select
 from .run_windows import run_window_deadlines_set
@@ -282,14 +291,21 @@ def run_window_check(*, not_before: datetime | None, end_by: datetime | None, en
 
 
 def run_windows_snapshot(template: JobTemplate) -> list[dict[str, Any]]:
-    """The maintenance windows a run of `template` keeps (one query): the template's, and
-    every group's and label's (which of its devices they hold is decided per command)."""
-    windows = MaintenanceWindow.objects.filter(Q(template=template) | Q(template__isnull=True)).values_list(
-        "name", "cron", "duration_minutes", "timezone", "group__name", "label_key", "label_value"
-    )
+    """The maintenance windows a run of `template` keeps: the template's, and every group's
+    and label's (which of its devices they hold is decided per command). One indexed read
+    (by `MaintenanceWindow.scope`) without the ORM's query compilation: every start makes it."""
+    scopes = [window_scope(template.pk), DEVICE_WINDOWS_SCOPE]
+    windows = rows_select(MaintenanceWindow, "scope", scopes, related=("group",))
     return [
-        WindowSpec(name, cron, minutes, tz, group or "", (key, value) if key else None).as_dict()
-        for name, cron, minutes, tz, group, key, value in windows
+        WindowSpec(
+            w.name,
+            w.cron,
+            w.duration_minutes,
+            w.timezone,
+            w.group.name if w.group_id else "",
+            (w.label_key, w.label_value) if w.label_key else None,
+        ).as_dict()
+        for w in sorted(windows, key=lambda w: w.name)
     ]
 
 
