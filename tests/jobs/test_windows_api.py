@@ -173,3 +173,23 @@ def test_the_admin_refuses_a_window_without_exactly_one_target(client, boss):
     assert answer.status_code == 200
     assert "Name exactly one of a template" in answer.content.decode()
     assert not MaintenanceWindow.objects.exists()
+
+
+def test_the_openapi_schema_describes_the_time_windows():
+    from drf_spectacular.generators import SchemaGenerator
+
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    components = schema["components"]["schemas"]
+    assert {"get", "post"} <= set(schema["paths"]["/api/windows/"])
+    assert {"get", "put", "patch", "delete"} <= set(schema["paths"]["/api/windows/{name}/"])
+    for field in ("not_before", "end_by", "end_behaviour"):
+        assert components["RunStartRequest"]["properties"][field]["description"], field
+        assert field in components["Run"]["properties"]
+    window = components["MaintenanceWindowRequest"]["properties"]
+    assert {"cron", "duration_minutes", "timezone", "template", "group", "label_key", "label_value"} <= set(
+        window
+    )
+    assert window["cron"]["description"] and window["template"]["description"]
+    assert components["Device"]["properties"]["quiet_hours_start"]["description"]
+    assert components["JobStep"]["properties"]["urgent"]["description"]
+    assert components["RunPreview"]["properties"]["windows"]["description"]
