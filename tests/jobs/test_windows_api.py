@@ -193,3 +193,26 @@ def test_the_openapi_schema_describes_the_time_windows():
     assert components["Device"]["properties"]["quiet_hours_start"]["description"]
     assert components["JobStep"]["properties"]["urgent"]["description"]
     assert components["RunPreview"]["properties"]["windows"]["description"]
+
+
+def test_the_cli_starts_a_run_with_its_time_window(capsys):
+    from django.core.management import CommandError, call_command
+
+    template = template_with_steps((DeviceFactory(), "check", {}))
+    call_command(
+        "run_start",
+        template.name,
+        "--not-before",
+        "2099-01-01T02:00+01:00",
+        "--end-by",
+        "2099-01-02T06:00+01:00",
+        "--end-behaviour",
+        "finish",
+    )
+    run = JobRun.objects.get(pk=capsys.readouterr().out.strip())
+    assert run.not_before.isoformat() == "2099-01-01T01:00:00+00:00"
+    assert (run.status, run.end_behaviour) == ("pending", "finish")
+    with pytest.raises(CommandError, match="not an ISO 8601 time"):
+        call_command("run_start", template.name, "--end-by", "tomorrow")
+    with pytest.raises(CommandError, match="end_by"):
+        call_command("run_start", template.name, "--end-by", "2001-01-01T00:00+00:00")
