@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from uuid import UUID
 
 from devices import protocol
@@ -286,8 +287,8 @@ class World:
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
         # Every input of this world (command steps only) is planned whole: nothing is left
-        # to the general path.
-        assert not plan.later, plan.later
+        # to the general path but a device a held row hands on (time windows).
+        assert all(later.what == "pass_on" for later in plan.later), plan.later
         # Replies that answer no current attempt: recorded, sampled (counted in Redis).
         self.sampled += [kind for kind, _, _ in plan.events.sampled]
         self.members.update(self.locks.zset)
@@ -302,6 +303,12 @@ class World:
             # An acquire found the epoch gone (NotReady): jobs/engine/batch.py rebuilds the
             # locks after the commit.
             self.locks_rebuild()
+        for later in plan.later:  # devices.locks.device_lock_pass_on, its hand-off planned
+            self.apply(partial(self._passed_on, **later.args))
+
+    def _passed_on(self, plan, *, device: str, holder: str, fence: int) -> None:
+        index = plan.locks.release(device, holder=holder, fence=fence)
+        plan.releases[index] = self.row_read(holder_step_id(holder))
 
     def publish(self, row: StepRun) -> None:
         device = row.device.name
