@@ -21,14 +21,18 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 |                           |                                   | lock release and hand-on, deadlines  |
 | due ack, done `dues_plan` | the step row the deadline names   | as a failed, retryable done          |
 | due retry `dues_plan`     | the same                          | row queued again, lock acquire       |
+| due window `dues_plan`    | the same                          | the same (held again if it must)     |
 | cancel `cancel_plan`      | the run, its rows not ended       | run and rows canceled, locks handed  |
 |                           |                                   | on or left, `cancel` commands        |
 | due run `run_time_out_plan` | the same                        | the same, timed out; the run ended   |
+| due end `run_end_by_plan` | the same                          | canceled, or (finish) rows not sent  |
+|                           |                                   | canceled, those at work go on        |
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
 | a step's outcome decided  | the run                           | the same (`steps_decide`; a fan-out's|
 | elsewhere `steps_decide`  |                                   | summary, a refused start, a delay)   |
 | next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
-|                           |                                   | deadlines written on grant)          |
+|                           |                                   | deadlines written on grant); held by |
+|                           |                                   | its time windows: a `window` deadline|
 | lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
 | hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
 
@@ -68,6 +72,7 @@ from ..models import (
     StepStatus,
 )
 from ..rows import row_new
+from ..timewindows import Hold
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
 from .holds import hold_message, row_hold
@@ -798,13 +803,13 @@ def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:
     plan.acquires[index] = (row, attempt)
 
 
-def _held(plan: Plan, row: StepRun, hold, *, written: bool, locks: LockBatch | None = None) -> None:
+def _held(plan: Plan, row: StepRun, hold: Hold, *, written: bool, locks: LockBatch | None = None) -> None:
     """The row stays queued without asking for its device (time windows: holds.py); a
     `window` deadline asks again when it may go, and its queue deadline counts from then.
     A row that may be in its device's queue (asking again) leaves it; its `queued_at` is
-    the time it may go (the monitor's sweep of lost lock requests passes it by). `locks`: the lock
-    writes to add to when the plan's own lock call was made already (a hand-off)."""
-    # Queued (for the monitor's sweep of lost lock requests, for "stuck") from when it may go.
+    the time it may go (the monitor's sweep of lost lock requests and "stuck" pass it by).
+    `locks`: the lock writes to add to when the plan's own lock call was made already (a
+    hand-off)."""
     row.queued_at = hold.until
     row.deadline = hold.until + timedelta(seconds=step_spec(row)["queue_timeout_seconds"])
     queue, window = Deadline.of("queue", row), Deadline.of("window", row)
