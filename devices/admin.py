@@ -59,6 +59,10 @@ class DeviceGroupAdmin(admin.ModelAdmin):
         return group.device_count
 
 
+# Time windows: the device's quiet hours, a section of their own on the device page.
+QUIET_HOURS_FIELDS = ["timezone", "quiet_hours_start", "quiet_hours_end"]
+
+
 class DeviceForm(forms.ModelForm):
     class Meta:
         model = Device
@@ -75,6 +79,7 @@ class DeviceForm(forms.ModelForm):
             "max_per_minute",
             "enabled",
             "presence_required",
+            *QUIET_HOURS_FIELDS,
         ]
 
     def clean_name(self) -> str:
@@ -129,7 +134,20 @@ class DeviceAdmin(admin.ModelAdmin):
     def get_fieldsets(self, request, obj=None):
         """What the device does now (an existing device only), then its fields as the form
         lists them, then when the row was created and changed."""
-        fields = [(None, {"fields": DeviceForm.Meta.fields})]
+        form_fields = [name for name in DeviceForm.Meta.fields if name not in QUIET_HOURS_FIELDS]
+        fields = [
+            (None, {"fields": form_fields}),
+            (
+                _("Quiet hours"),
+                {
+                    "fields": [tuple(QUIET_HOURS_FIELDS)],
+                    "description": _(
+                        "No command is sent to the device between these local times, unless its "
+                        "step is urgent; an empty time zone means the device's tz label, else UTC."
+                    ),
+                },
+            ),
+        ]
         if obj is None:
             return fields
         return [

@@ -1,5 +1,7 @@
 """Devices: what the engine can send commands to, and what presence says about them."""
 
+import zoneinfo
+
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
@@ -24,6 +26,26 @@ def labels_validate(value) -> None:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise ValidationError(_('Labels must be a JSON object of strings, e.g. {"site": "berlin"}.'))
+
+
+def time_zone_validate(value: str) -> None:
+    """An IANA time zone name zoneinfo knows (time windows, quiet hours)."""
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValidationError(
+            _("Unknown time zone %(zone)s: use an IANA name such as Europe/Berlin."),
+            code="invalid",
+            params={"zone": value},
+        ) from None
+
+
+def quiet_hours_problem(start, end) -> dict[str, str]:
+    """A device's quiet hours are both times or neither: {field: message} of what is wrong."""
+    if (start is None) != (end is None):
+        field = "quiet_hours_end" if end is None else "quiet_hours_start"
+        return {field: str(_("Give both the start and the end of the quiet hours, or neither."))}
+    return {}
 
 
 def config_validate(value) -> None:
@@ -136,6 +158,28 @@ class Device(models.Model):
             "publishes no status or heartbeat (it is then always treated as reachable)."
         ),
     )
+    # Time windows: the device's quiet hours, in its own time zone (or its `tz` label).
+    timezone = models.CharField(
+        _("time zone"),
+        max_length=64,
+        blank=True,
+        validators=[time_zone_validate],
+        help_text=_("An IANA name, e.g. Europe/Berlin; empty = its tz label, else UTC."),
+    )
+    quiet_hours_start = models.TimeField(
+        _("quiet hours start"),
+        null=True,
+        blank=True,
+        help_text=_("Local time from which no command is sent (unless its step is urgent), e.g. 08:00."),
+    )
+    quiet_hours_end = models.TimeField(
+        _("quiet hours end"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Local time at which commands may go again, e.g. 21:00 (before the start: over midnight)."
+        ),
+    )
     online = models.BooleanField(
         _("online"), default=False, help_text=_("From the device's retained status / last will.")
     )
@@ -168,6 +212,11 @@ class Device(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        problem = quiet_hours_problem(self.quiet_hours_start, self.quiet_hours_end)
+        if problem:
+            raise ValidationError(problem)
 
     @property
     def reachable(self) -> bool:

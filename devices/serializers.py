@@ -10,7 +10,7 @@ from iotqueue.mqtt import broker_address
 
 from .certificates import CSR_MAX_CHARS
 from .credentials import IdentityForeign, identity_conflict
-from .models import Device, DeviceGroup, labels_validate
+from .models import Device, DeviceGroup, labels_validate, quiet_hours_problem
 from .profiles import DeviceProtocol
 from .selectors import SELECTOR_MAX_LENGTH, selector_parse
 from .topic_claims import device_topic_collisions
@@ -42,6 +42,9 @@ class DeviceSerializer(BoundedModelSerializer):
             "presence_required",
             "min_interval_seconds",
             "max_per_minute",
+            "timezone",
+            "quiet_hours_start",
+            "quiet_hours_end",
             "online",
             "last_seen",
             "presence_since",
@@ -82,6 +85,9 @@ class DeviceSerializer(BoundedModelSerializer):
             name=current("name"),
             command_topic=current("command_topic"),
             reply_topic=current("reply_topic"),
+        )
+        errors.update(
+            quiet_hours_problem(current("quiet_hours_start") or None, current("quiet_hours_end") or None)
         )
         if errors:
             raise serializers.ValidationError({field: [message] for field, message in errors.items()})

@@ -15,6 +15,7 @@ from jobs.api import (
     ConcurrencyLimitViewSet,
     DeviceLockReleaseView,
     DeviceLockView,
+    MaintenanceWindowViewSet,
     RunViewSet,
     TemplateViewSet,
 )
@@ -24,6 +25,7 @@ from webhooks.api import WebhookViewSet
 router = DefaultRouter()
 router.register("runs", RunViewSet, basename="run")
 router.register("templates", TemplateViewSet, basename="template")
+router.register("windows", MaintenanceWindowViewSet, basename="window")
 router.register("devices", DeviceViewSet, basename="device")
 router.register("groups", DeviceGroupViewSet, basename="group")
 router.register("schedules", ScheduleViewSet, basename="schedule")

@@ -31,7 +31,7 @@ from iotqueue.pagination import Pagination
 from .api_docs import run_preview_schema, run_start_schema, template_create_schema
 from .cancel import canvas_cancel, lock_force_release, run_cancel
 from .engine.continuous import fanout_close, plan_step_index
-from .models import ConcurrencyLimit, JobRun, JobTemplate, RunStatus, StepRun
+from .models import ConcurrencyLimit, JobRun, JobTemplate, MaintenanceWindow, RunStatus, StepRun
 from .preview import run_preview
 from .retry import RetryError, run_retry
 from .rollouts import RolloutConflict, RolloutNotFound, rollout_act
@@ -39,6 +39,7 @@ from .serializers import (
     ConcurrencyLimitSerializer,
     DeviceLockSerializer,
     FanoutCloseSerializer,
+    MaintenanceWindowSerializer,
     RolloutActionSerializer,
     RolloutSerializer,
     RunDetailSerializer,
@@ -394,6 +395,25 @@ class CanvasCancelView(APIView):
         if canceled is None:
             raise NotFound(_("no canvas with root id '%(root)s'") % {"root": root_id})
         return Response({"root_id": root_id, "canceled": canceled})
+
+
+@extend_schema_view(
+    create=extend_schema(
+        description="Create a maintenance window (time windows). 400s name the field: a cron expression "
+        "that does not parse or names no date (`cron`), an unknown time zone (`timezone`), a duration "
+        "outside 1..10080 minutes (`duration_minutes`), not exactly one target (`template`, `group`, "
+        "`label_key`)."
+    ),
+    list=extend_schema(description="Maintenance windows by name, with whether each is open now."),
+)
+class MaintenanceWindowViewSet(viewsets.ModelViewSet):
+    """Maintenance windows: a command for a device outside every window that applies to it
+    waits for the next opening. A run keeps the windows that exist when it is created."""
+
+    queryset = MaintenanceWindow.objects.select_related("template", "group")
+    serializer_class = MaintenanceWindowSerializer
+    lookup_field = "name"
+    lookup_value_regex = URL_NAME_LOOKUP_REGEX
 
 
 @extend_schema_view(create=template_create_schema)

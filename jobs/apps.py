@@ -16,6 +16,7 @@ KIND_MODULES = (
     "jobs.engine.fanout_rollback",  # a fan-out's rollback: a compensation row per device
     "jobs.engine.due",  # the deadlines of an attempt
     "jobs.cancel",  # the `run` deadline (max_duration)
+    "jobs.run_windows",  # the `start` and `end` deadlines (a run's start-not-before, end-by)
 )
 
 

@@ -9,6 +9,8 @@ rate allows starting more devices; the member names a row of the fan-out not yet
 `soak` (a fan-out wave's soak time is over; the member names the next wave's first row),
 `run` (a run's max_duration is over; the member names the run by its UUID, not a step row),
 `fanout_close` (a continuous fan-out's end-by: the member names the run, its attempt the step).
+`window` (a command held by its time windows may go: jobs/engine/holds.py), `start` and
+`end` (a run's start-not-before and end-by: jobs/run_windows.py; they name the run too).
 
 The set is sharded like the device locks (devices/locks.py) and lives with them (on
 LOCK_REDIS_URL's Redis): a deadline of a step on a device (`DEVICE_KINDS`) is in its
@@ -40,11 +42,26 @@ from iotqueue.redis_conn import lock_redis_connection, redis_key
 
 # A continuous fan-out's end-by: the member names its run (UUID) and, as its attempt, the step.
 FANOUT_CLOSE = "fanout_close"
-KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "wake", "pump", "soak", "run", FANOUT_CLOSE)
+KINDS = (
+    "queue",
+    "ack",
+    "done",
+    "retry",
+    "send",
+    "dispatch",
+    "wake",
+    "pump",
+    "soak",
+    "run",
+    FANOUT_CLOSE,
+    "window",
+    "start",
+    "end",
+)
 # Kinds whose member names a run (its UUID) instead of a step row.
-RUN_KINDS = ("run", FANOUT_CLOSE)
+RUN_KINDS = ("run", FANOUT_CLOSE, "start", "end")
 # Kinds kept in the shard of the step's device (the lock scripts write some of them).
-DEVICE_KINDS = ("queue", "ack", "done", "retry", "send", "dispatch")
+DEVICE_KINDS = ("queue", "ack", "done", "retry", "send", "dispatch", "window")
 
 
 @dataclass(frozen=True)

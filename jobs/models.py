@@ -1,6 +1,7 @@
 """Job templates (what to do), runs (doing it) and the append-only event timeline."""
 
 import uuid
+from datetime import date, timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -8,13 +9,11 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from devices.models import Device, DeviceGroup
+from devices.models import Device, DeviceGroup, time_zone_validate
 from devices.protocol import EXTEND_SECONDS_LIMIT
 from devices.selectors import SELECTOR_MAX_LENGTH
 from iotqueue.names import url_name_validator
 
-# Defined apart so jobs/validation.py need not import the models; `from jobs.models import
-# StepKind` keeps working.
 from .choices import (
     DEFAULT_MAX_EXTEND_SECONDS,
     MAX_INCREMENT_FACTOR,
@@ -24,6 +23,10 @@ from .choices import (
     RolloutState,
     StepKind,
 )
+
+# Defined apart so jobs/validation.py need not import the models; `from jobs.models import
+# StepKind` keeps working.
+from .timewindows import OPENING_SEARCH_DAYS, WINDOW_MAX_MINUTES, cron_parse
 
 
 class JobTemplate(models.Model):
@@ -154,14 +157,15 @@ class JobStep(models.Model):
     )
     compensation_action = models.CharField(_("compensation action"), max_length=128, blank=True)
     compensation_args = models.JSONField(_("compensation args"), default=dict, blank=True)
-    # Urgent preemption (docs/orchestration.md#urgent-preemption).
+    # Urgent (docs/orchestration.md): past quiet hours and maintenance windows, and, at a high
+    # enough priority, preempting (urgent preemption).
     urgent = models.BooleanField(
         _("urgent"),
         default=False,
         help_text=_(
-            "An urgent step of a run at or above the deployment's IOTQUEUE_PREEMPT_PRIORITY "
-            "takes a busy device from a lower-priority run: that command is canceled on the "
-            "device and queued again."
+            "Ignores the devices' quiet hours and maintenance windows; in a run at or above the "
+            "deployment's IOTQUEUE_PREEMPT_PRIORITY it also takes a busy device from a "
+            "lower-priority run: that command is canceled on the device and queued again."
         ),
     )
     # Fan-out (group / labels targets).
@@ -366,6 +370,136 @@ RUN_TERMINAL = (
 )
 
 
+def cron_validate(value: str) -> None:
+    """A five-field cron expression that opens at least once (jobs/timewindows.py)."""
+    try:
+        cron = cron_parse(value)
+    except ValueError as exc:
+        raise ValidationError(_("Not a cron expression: %(problem)s"), params={"problem": exc}) from None
+    if not any(cron.day_matches(day) for day in _eight_years()):
+        raise ValidationError(_("The cron expression names no date that exists."))
+
+
+def _eight_years():
+    first = date(2028, 1, 1)  # a leap year first: 29 February is found
+    return (first + timedelta(days=n) for n in range(OPENING_SEARCH_DAYS))
+
+
+def window_target_problems(*, template: object, group: object, label_key: str, label_value: str) -> dict:
+    """What a maintenance window applies to: exactly one of a template, a device group or a
+    label key=value; {field: message} naming the fields at fault."""
+    given = [name for name, value in (("template", template), ("group", group)) if value]
+    if label_key or label_value:
+        given.append("label_key")
+    if len(given) != 1:
+        message = _("Name exactly one of a template, a device group or a label key=value.")
+        return {name: message for name in given or ["template", "group", "label_key"]}
+    if (label_key or label_value) and not (label_key and label_value):
+        return {
+            "label_value" if label_key else "label_key": _("A label window needs both the key and the value.")
+        }
+    return {}
+
+
+# The scope of the windows every run keeps (a device group's or a label's).
+DEVICE_WINDOWS_SCOPE = "devices"
+
+
+def window_scope(template_id: int | None) -> str:
+    """The runs a maintenance window is kept by: one template's, or every run."""
+    return f"template:{template_id}" if template_id else DEVICE_WINDOWS_SCOPE
+
+
+class EndBehaviour(models.TextChoices):
+    """What a run's end by ends (time windows)."""
+
+    CANCEL = "cancel", _("Cancel")
+    FINISH = "finish", _("Finish")
+
+
+class MaintenanceWindow(models.Model):
+    """When commands may go (time windows): a recurring window, opening at the times a cron
+    expression names in its time zone and open `duration_minutes`, for one template's runs,
+    one device group or the devices with one label value. A device outside every window
+    that applies to a command waits for the next opening (jobs/engine/holds.py)."""
+
+    name = models.CharField(_("name"), max_length=128, unique=True, validators=[url_name_validator])
+    cron = models.CharField(
+        _("cron"),
+        max_length=128,
+        validators=[cron_validate],
+        help_text=_("When it opens: minute hour day-of-month month day-of-week, e.g. 0 2 * * *"),
+    )
+    duration_minutes = models.PositiveIntegerField(
+        _("duration (minutes)"),
+        validators=[MinValueValidator(1), MaxValueValidator(WINDOW_MAX_MINUTES)],
+        help_text=_("How long it stays open after each start (at most a week)."),
+    )
+    timezone = models.CharField(
+        _("time zone"),
+        max_length=64,
+        default="UTC",
+        validators=[time_zone_validate],
+        help_text=_("An IANA name, e.g. Europe/Berlin."),
+    )
+    # What it applies to: exactly one of a template, a device group, a label key=value.
+    template = models.ForeignKey(
+        JobTemplate,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="windows",
+        verbose_name=_("template"),
+    )
+    group = models.ForeignKey(
+        DeviceGroup,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="windows",
+        verbose_name=_("device group"),
+    )
+    label_key = models.CharField(_("label key"), max_length=64, blank=True)
+    label_value = models.CharField(_("label value"), max_length=128, blank=True)
+    # Which runs keep it (`window_scope`): one template's, or every run (a group or label
+    # window, decided per device). A run's start reads its windows by it in one indexed
+    # read without the ORM's query compilation (jobs/services.py run_windows_snapshot).
+    scope = models.CharField(_("scope"), max_length=32, db_index=True, editable=False, default="")
+    created_at = models.DateTimeField(_("created at"), auto_now_add=True)
+
+    class Meta:
+        verbose_name = _("maintenance window")
+        verbose_name_plural = _("maintenance windows")
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        self.scope = window_scope(self.template_id)
+        if kwargs.get("update_fields") is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "scope"}
+        super().save(*args, **kwargs)
+
+    def clean(self) -> None:
+        problems = window_target_problems(
+            template=self.template_id,
+            group=self.group_id,
+            label_key=self.label_key,
+            label_value=self.label_value,
+        )
+        if problems:
+            raise ValidationError(problems)
+
+    @property
+    def applies_to(self) -> str:
+        if self.template_id:
+            return f"template {self.template.name}"
+        if self.group_id:
+            return f"group {self.group.name}"
+        return f"label {self.label_key}={self.label_value}"
+
+
 class Trigger(models.TextChoices):
     REST = "rest", _("REST API")
     ADMIN = "admin", _("Admin")
@@ -438,6 +572,31 @@ class JobRun(models.Model):
         blank=True,
         editable=False,
         help_text=_("started_at + max_duration: then it times out."),
+    )
+    # Time windows: when the run may start, when it must end, what ends then, and the
+    # maintenance windows that applied to it when it was created (jobs/timewindows.py).
+    not_before = models.DateTimeField(
+        _("start not before"), null=True, blank=True, help_text=_("The run stays pending until then.")
+    )
+    end_by = models.DateTimeField(
+        _("end by"), null=True, blank=True, help_text=_("Then the end behaviour decides what still runs.")
+    )
+    end_behaviour = models.CharField(
+        _("end behaviour"),
+        max_length=8,
+        choices=EndBehaviour.choices,
+        default=EndBehaviour.CANCEL,
+        help_text=_(
+            "At end by: cancel (the run is canceled: commands not sent are not sent, those at work "
+            "are told to stop) or finish (commands at work finish, nothing new starts)."
+        ),
+    )
+    windows = models.JSONField(
+        _("maintenance windows"),
+        default=list,
+        blank=True,
+        editable=False,
+        help_text=_("The maintenance windows that applied when the run was created."),
     )
     created_at = models.DateTimeField(_("created at"), auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(_("started at"), null=True, blank=True)

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from celery import current_app
 from django.conf import settings
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from devices.lock_recovery import locks_maintain
@@ -34,6 +34,7 @@ from .models import (
     STEP_AT_WORK,
     STEP_TERMINAL,
     ContinuousFanout,
+    EndBehaviour,
     JobRun,
     Phase,
     RunStatus,
@@ -111,10 +112,19 @@ def reconcile() -> int:
         )[:CLAIM_BATCH]
     ]
     deadlines_set({Deadline("run", run_id, 0): now for run_id in expired})
+    # Runs past their end-by whose `end` deadline was lost (a running run that lets its
+    # commands finish is not asked again: it ends by itself once they have).
+    ending = (
+        JobRun.objects.filter(end_by__lt=now - grace)
+        .filter(Q(status=RunStatus.PENDING) | Q(status=RunStatus.RUNNING, end_behaviour=EndBehaviour.CANCEL))
+        .values_list("pk", flat=True)
+    )
+    deadlines_set({Deadline("end", str(run_id), 0): now for run_id in ending[:CLAIM_BATCH]})
+    # (A run whose start-not-before is ahead waits for it: jobs/run_windows.py.)
     unstarted = list(
-        JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=now - 3 * grace).values_list(
-            "pk", flat=True
-        )[:CLAIM_BATCH]
+        JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=now - 3 * grace)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lt=now - grace))
+        .values_list("pk", flat=True)[:CLAIM_BATCH]
     )
     for run_id in unstarted:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")

@@ -22,6 +22,7 @@ from devices.models import Device
 from devices.selectors import labels_requirements, selector_filter, selector_parse
 
 from .choices import DevicesFromOutcome, StepKind
+from .engine.holds import device_groups_read
 from .engine.plan import FANOUT, spec_kind, step_target_name
 from .engine.waves import waves_expand
 from .estimate import (
@@ -40,8 +41,10 @@ from .services import (
     for_each_target_check,
     parameters_check,
     plan_step_target,
+    run_windows_snapshot,
     template_snapshot,
 )
+from .timewindows import WindowSpec, window_next_start, window_open
 from .versions import version_snapshot
 
 # Device names a step's preview lists at most (the counts cover them all): a preview of a
@@ -105,7 +108,7 @@ def run_preview(
     problem = parameters_problem(plan, parameters)
     if problem:
         raise RunStartError("parameters", problem)
-    steps = _steps_preview(plan, parameters, template_id=template.pk)
+    steps, targets = _steps_preview(plan, parameters, template_id=template.pk)
     total = _total_seconds(steps)
     now = timezone.now()
     return {
@@ -127,6 +130,7 @@ def run_preview(
             for step in steps
             for p in step["problems"]
         ],
+        "windows": _windows_preview(template, targets, now),
         "previewed_at": now,
     }
 
@@ -190,8 +194,11 @@ def _devices_matching(spec: dict[str, Any]) -> list[TargetDevice]:
     return [TargetDevice(*row) for row in selector_filter(devices, requirements).values_list(*DEVICE_COLUMNS)]
 
 
-def _steps_preview(plan: list[dict], parameters: dict[str, Any], *, template_id: int) -> list[dict[str, Any]]:
-    """Each step's targets and estimate, the lock states of all of them read at once."""
+def _steps_preview(
+    plan: list[dict], parameters: dict[str, Any], *, template_id: int
+) -> tuple[list[dict[str, Any]], list[TargetDevice]]:
+    """Each step's targets and estimate, the lock states of all of them read at once; and
+    the enabled devices the steps address."""
     targets: list[tuple[list[TargetDevice], list[str]]] = []
     for spec in plan:
         if spec.get("devices_from"):
@@ -205,10 +212,49 @@ def _steps_preview(plan: list[dict], parameters: dict[str, Any], *, template_id:
             state = states.get(device.name)
             if state is not None:
                 device.holder, device.queue = state.holder, state.queue
-    return [
+    previews = [
         _step_preview(index, spec, devices, problems, template_id=template_id)
         for index, (spec, (devices, problems)) in enumerate(zip(plan, targets, strict=True))
     ]
+    enabled = {device.name: device for devices, _problems in targets for device in devices if device.enabled}
+    return previews, list(enabled.values())
+
+
+def _windows_preview(template: JobTemplate, devices: list[TargetDevice], now) -> list[dict[str, Any]]:
+    """The maintenance windows a run would keep that hold any of its devices (time windows),
+    each open now or not, and how many of the devices it holds: one query, two with group
+    windows."""
+    windows = [WindowSpec.from_dict(entry) for entry in run_windows_snapshot(template)]
+    groups = {}
+    if any(window.group for window in windows):
+        groups = device_groups_read([device.name for device in devices])
+    previews = []
+    for window in windows:
+        if window.group:
+            held = sum(window.group in groups.get(device.name, ()) for device in devices)
+            applies_to = f"group {window.group}"
+        elif window.label:
+            held = sum((device.labels or {}).get(window.label[0]) == window.label[1] for device in devices)
+            applies_to = f"label {window.label[0]}={window.label[1]}"
+        else:
+            held, applies_to = len(devices), f"template {template.name}"
+        if not held:
+            continue
+        closes = window_open(window, now)
+        previews.append(
+            {
+                "name": window.name,
+                "cron": window.cron,
+                "duration_minutes": window.minutes,
+                "timezone": window.tz,
+                "applies_to": applies_to,
+                "devices": held,
+                "open_now": closes is not None,
+                "closes_at": closes,
+                "next_opening": None if closes is not None else window_next_start(window, now),
+            }
+        )
+    return previews
 
 
 def _step_targets(spec: dict[str, Any], parameters: dict[str, Any]) -> tuple[list[TargetDevice], list[str]]:

@@ -70,6 +70,7 @@ def run_retry(*, run: JobRun, by: str, trigger: str = Trigger.REST) -> JobRun:
                 triggered_by=by,
                 priority=run.priority,
                 max_duration=run.max_duration,
+                windows=run.windows,  # its maintenance windows, as its plan (not its own start / end)
                 retry_of=run,
             )
             carried = _rows_carry(run, retry, start)

@@ -4,10 +4,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from django.db.models import Manager
+from django.utils import timezone
 from django.utils.translation import gettext as _
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from devices.models import DeviceGroup
 from devices.selectors import selector_parse
 from devices.serializers import LockStateSerializer
 from iotqueue.api import BoundedJSONField
@@ -15,14 +17,19 @@ from iotqueue.api import BoundedJSONField
 from .models import (
     ConcurrencyLimit,
     ContinuousFanout,
+    EndBehaviour,
     JobRun,
     JobTemplate,
     LimitScope,
+    MaintenanceWindow,
     Rollout,
     RunEvent,
     StepRun,
+    window_target_problems,
 )
 from .rollouts import REASON_MAX_LENGTH, rollout_waves
+from .services import RunStartError, run_window_check
+from .timewindows import WindowSpec, window_next_start, window_open
 from .waiting import REASONS, Waiting, runs_steps_waiting, step_waiting
 
 
@@ -44,6 +51,33 @@ class RunStartSerializer(serializers.Serializer):
         help_text='One run per device: {"group": "pumps"}, {"labels": {"site": "berlin"}} or '
         '{"selector": "site in (berlin,paris),!legacy"}.',
     )
+
+    not_before = serializers.DateTimeField(
+        required=False,
+        help_text="Time windows: the run stays pending until then (ISO 8601 with its offset).",
+    )
+    end_by = serializers.DateTimeField(
+        required=False,
+        help_text="Time windows: then `end_behaviour` decides what still runs (ISO 8601 with its offset).",
+    )
+    end_behaviour = serializers.ChoiceField(
+        choices=EndBehaviour.choices,
+        required=False,
+        default=EndBehaviour.CANCEL,
+        help_text="At end_by: cancel (the run is canceled: queued commands are not sent, those at work are "
+        "told to stop) or finish (commands at work finish, nothing new starts; the run ends canceled).",
+    )
+
+    def validate(self, attrs):
+        try:
+            run_window_check(
+                not_before=attrs.get("not_before"),
+                end_by=attrs.get("end_by"),
+                end_behaviour=attrs.get("end_behaviour", EndBehaviour.CANCEL),
+            )
+        except RunStartError as exc:
+            raise serializers.ValidationError({exc.field: [str(exc)]}) from None
+        return attrs
 
     def validate_for_each(self, value):
         if not isinstance(value, dict) or set(value) - {"group", "labels", "selector"} or not value:
@@ -281,6 +315,10 @@ class RunSerializer(serializers.ModelSerializer):
             "error",
             "max_duration",
             "deadline",
+            "not_before",
+            "end_by",
+            "end_behaviour",
+            "windows",
             "created_at",
             "started_at",
             "finished_at",
@@ -521,6 +559,18 @@ class PreviewForEachSerializer(serializers.Serializer):
     devices = serializers.ListField(child=serializers.CharField(), help_text="The first 100 by name.")
 
 
+class PreviewWindowSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    cron = serializers.CharField()
+    duration_minutes = serializers.IntegerField()
+    timezone = serializers.CharField()
+    applies_to = serializers.CharField(help_text="The template's runs, `group NAME` or `label KEY=VALUE`.")
+    devices = serializers.IntegerField(help_text="How many of the devices the steps address it holds.")
+    open_now = serializers.BooleanField()
+    closes_at = serializers.DateTimeField(allow_null=True, help_text="When open: when this opening closes.")
+    next_opening = serializers.DateTimeField(allow_null=True, help_text="When closed: its next opening.")
+
+
 class RunPreviewSerializer(serializers.Serializer):
     """What starting the run would do (jobs/preview.py); nothing is started or written."""
 
@@ -532,6 +582,11 @@ class RunPreviewSerializer(serializers.Serializer):
     steps = PreviewStepSerializer(many=True)
     estimate = PreviewEstimateSerializer()
     problems = serializers.ListField(child=serializers.CharField())
+    windows = PreviewWindowSerializer(
+        many=True,
+        help_text="Time windows: the maintenance windows that would apply to the run's devices (a "
+        "command for a device outside all of them waits for the next opening).",
+    )
     previewed_at = serializers.DateTimeField()
 
 
@@ -571,3 +626,77 @@ class ConcurrencyLimitSerializer(serializers.ModelSerializer):
         if not (values["label"] or "").strip():
             raise serializers.ValidationError({"label": _("Name a device label key.")})
         return attrs
+
+
+class MaintenanceWindowSerializer(serializers.ModelSerializer):
+    """A recurring maintenance window (time windows): commands for the devices it applies to
+    wait outside it. 400s name the field: `cron`, `timezone`, `duration_minutes`, the target."""
+
+    template = serializers.SlugRelatedField(
+        slug_field="name",
+        queryset=JobTemplate.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text="For every run of this template (or give group, or label_key and label_value).",
+    )
+    group = serializers.SlugRelatedField(
+        slug_field="name",
+        queryset=DeviceGroup.objects.all(),
+        required=False,
+        allow_null=True,
+        help_text="For the commands to the devices of this group.",
+    )
+    label_key = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        max_length=64,
+        help_text="With label_value: devices with this label.",
+    )
+    label_value = serializers.CharField(required=False, allow_blank=True, max_length=128)
+    applies_to = serializers.CharField(read_only=True)
+    open_now = serializers.SerializerMethodField(help_text="Whether the window is open now.")
+    next_opening = serializers.SerializerMethodField(help_text="Its next start after now (null: none found).")
+
+    class Meta:
+        model = MaintenanceWindow
+        fields = [
+            "name",
+            "cron",
+            "duration_minutes",
+            "timezone",
+            "template",
+            "group",
+            "label_key",
+            "label_value",
+            "applies_to",
+            "open_now",
+            "next_opening",
+            "created_at",
+        ]
+        read_only_fields = ["created_at"]
+
+    def validate(self, attrs):
+        def current(field: str):
+            return attrs[field] if field in attrs else getattr(self.instance, field, None)
+
+        problems = window_target_problems(
+            template=current("template"),
+            group=current("group"),
+            label_key=current("label_key") or "",
+            label_value=current("label_value") or "",
+        )
+        if problems:
+            raise serializers.ValidationError({field: [str(message)] for field, message in problems.items()})
+        return attrs
+
+    @staticmethod
+    def _spec(window: MaintenanceWindow) -> WindowSpec:
+        return WindowSpec(window.name, window.cron, window.duration_minutes, window.timezone)
+
+    def get_open_now(self, window: MaintenanceWindow) -> bool:
+        return window_open(self._spec(window), timezone.now()) is not None
+
+    @extend_schema_field(serializers.DateTimeField(allow_null=True))
+    def get_next_opening(self, window: MaintenanceWindow):
+        start = window_next_start(self._spec(window), timezone.now())
+        return serializers.DateTimeField().to_representation(start) if start else None

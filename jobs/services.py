@@ -4,7 +4,7 @@ and recording a template's versions, which runs are started from."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -19,9 +19,21 @@ from .choices import DevicesFromOutcome
 from .engine.plan import fanout_devices
 from .events import event_record
 from .inbox import run_enqueue
-from .models import JobRun, JobStep, JobTemplate, TemplateVersion, Trigger
+from .models import (
+    DEVICE_WINDOWS_SCOPE,
+    EndBehaviour,
+    JobRun,
+    JobStep,
+    JobTemplate,
+    MaintenanceWindow,
+    TemplateVersion,
+    Trigger,
+    window_scope,
+)
 from .parameters import parameters_problem
 from .rows import row_last, row_new, rows_create, rows_select
+from .run_windows import run_window_deadlines_set
+from .timewindows import WindowSpec
 from .versions import version_snapshot
 
 # The task that (re)starts a run at its cursor, by name (jobs/tasks.py sits above this
@@ -165,6 +177,9 @@ def run_start(
     idempotency_key: str | None = None,
     plan: list[dict[str, Any]] | None = None,
     version: int | None = None,
+    not_before: datetime | None = None,
+    end_by: datetime | None = None,
+    end_behaviour: str = EndBehaviour.CANCEL,
 ) -> tuple[JobRun, bool]:
     """Create a run and enqueue its first step after commit; returns (run, created).
 
@@ -174,9 +189,15 @@ def run_start(
     that run is returned and nothing new starts. `plan` runs these steps instead (a canvas
     command, jobs/canvas.py), filed under the template with no version.
 
+    Time windows: a run with `not_before` ahead stays pending until then; at `end_by` its
+    `end_behaviour` decides (jobs/run_windows.py). The maintenance windows that apply to
+    the template's runs, its devices' groups or labels are kept on the run
+    (`run_windows_snapshot`).
+
     Raises RunStartError naming the field at fault, before any row is written: among
     others when `parameters` lack one the steps read (jobs/parameters.py).
     """
+    run_window_check(not_before=not_before, end_by=end_by, end_behaviour=end_behaviour)
     parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise RunStartError("parameters", _("parameters must be a JSON object"))
@@ -216,6 +237,10 @@ def run_start(
                 priority=default_priority if priority is None else priority,
                 idempotency_key=idempotency_key or None,
                 max_duration=template_version.max_duration if template_version else None,
+                not_before=not_before,
+                end_by=end_by,
+                end_behaviour=end_behaviour,
+                windows=run_windows_snapshot(template),
             )
             rows_create(JobRun, [run])  # the ORM's save compiles its INSERT on every call
             event_record("run.created", run=run, message=f"{trigger} by {triggered_by or 'anonymous'}")
@@ -262,7 +287,46 @@ def parameters_check(parameters: dict[str, Any]) -> None:
 
 
 def _run_enqueue(run: JobRun) -> None:
+    if (run.not_before is not None or run.end_by is not None) and run_window_deadlines_set(run):
+        return  # its `start` deadline starts it (jobs/run_windows.py)
     run_enqueue(str(run.pk))  # started with whatever else the engine is doing (jobs/inbox.py)
+
+
+def run_window_check(*, not_before: datetime | None, end_by: datetime | None, end_behaviour: str) -> None:
+    """A run's own time window, as every entrance may give it; RunStartError naming the field."""
+    if end_behaviour not in EndBehaviour.values:
+        raise RunStartError(
+            "end_behaviour",
+            _("end_behaviour must be one of: %(choices)s") % {"choices": ", ".join(EndBehaviour.values)},
+        )
+    for name, value in (("not_before", not_before), ("end_by", end_by)):
+        if value is not None and timezone.is_naive(value):
+            raise RunStartError(
+                name, _("%(field)s needs a time zone (e.g. 2026-11-28T02:00:00+01:00)") % {"field": name}
+            )
+    if end_by is not None and end_by <= timezone.now():
+        raise RunStartError("end_by", _("end_by is in the past"))
+    if not_before is not None and end_by is not None and end_by <= not_before:
+        raise RunStartError("end_by", _("end_by must be later than not_before"))
+
+
+def run_windows_snapshot(template: JobTemplate) -> list[dict[str, Any]]:
+    """The maintenance windows a run of `template` keeps: the template's, and every group's
+    and label's (which of its devices they hold is decided per command). One indexed read
+    (by `MaintenanceWindow.scope`) without the ORM's query compilation: every start makes it."""
+    scopes = [window_scope(template.pk), DEVICE_WINDOWS_SCOPE]
+    windows = rows_select(MaintenanceWindow, "scope", scopes, related=("group",))
+    return [
+        WindowSpec(
+            w.name,
+            w.cron,
+            w.duration_minutes,
+            w.timezone,
+            w.group.name if w.group_id else "",
+            (w.label_key, w.label_value) if w.label_key else None,
+        ).as_dict()
+        for w in sorted(windows, key=lambda w: w.name)
+    ]
 
 
 def run_start_each(

@@ -2,9 +2,10 @@
 
 Every unfinished step row is waiting for something: its device to come online, the device's
 lock (held by another run's step, with this step's place in the queue), flow control's next
-allowed send, the rollout rate, a delay, a back-off before the next attempt, or the device's
-`done`. `steps_waiting` / `runs_waiting` answer for a page of rows or runs with a fixed
-number of queries and one pipeline to the lock Redis (lock holders and queues, the
+allowed send, the rollout rate, a delay, a back-off before the next attempt, a maintenance
+window to open or quiet hours to end (time windows), or the device's `done`.
+`steps_waiting` / `runs_waiting` answer for a page of rows or runs with a fixed number
+of queries and one pipeline to the lock Redis (lock holders and queues, the
 deadlines that say when flow control, a rollout or a back-off lets the step go on); nothing
 here writes. `runs_stuck` lists the runs whose oldest unfinished step has waited past
 IOTQUEUE_STUCK_AFTER_SECONDS.
@@ -42,6 +43,7 @@ from devices.locks import (
 from iotqueue.redis_conn import lock_redis_connection
 
 from .deadlines import Deadline, deadlines_key
+from .engine.holds import device_quiet_hours, row_hold, window_groups_read
 from .engine.plan import holder_step_id, spec_kind, step_holder, step_spec
 from .limits import Limit, limits_applying
 from .models import (
@@ -57,6 +59,7 @@ from .models import (
     StepRun,
     StepStatus,
 )
+from .timewindows import Hold, zone
 
 # Rows with something still to come: at work, or a fan-out's device not started yet.
 UNFINISHED = (StepStatus.PENDING, *STEP_AT_WORK)
@@ -87,6 +90,9 @@ REASONS = {
     "device_working": "the command was sent; the device's done is awaited (up to the deadline)",
     "retry_backoff": "an attempt failed; the next one starts after the back-off",
     "fanout_open": "a continuous fan-out whose devices ended stays open for devices to join",
+    "window": "the device is outside every maintenance window that applies; it waits for the next opening",
+    "quiet_hours": "the device is in its quiet hours (its own time zone); the step is not urgent",
+    "run_not_before": "the run was started with a start-not-before still ahead",
 }
 
 
@@ -149,6 +155,8 @@ class WaitFacts:
     slot_devices: dict[int, str] = field(default_factory=dict)
     # (run id, index) of a fan-out in waves -> its rollout (waves and gates)
     rollouts: dict[tuple[uuid.UUID, int], Rollout] = field(default_factory=dict)
+    # device name -> its group names, for devices whose run has group maintenance windows
+    groups: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def _needs_lock(row: StepRun) -> bool:
@@ -162,9 +170,12 @@ def _needs_lock(row: StepRun) -> bool:
 
 
 def wait_facts_read(rows: Sequence[StepRun]) -> WaitFacts:
-    """Three queries at most (fan-out counts, rollouts in waves, lock holders' rows) and one
-    Redis pipeline."""
+    """Four queries at most (fan-out counts, rollouts in waves, lock holders' rows, devices'
+    groups when a group's maintenance window applies) and one Redis pipeline."""
     facts = WaitFacts()
+    facts.groups = window_groups_read(
+        (row.run, row.device.name) for row in rows if row.status == StepStatus.QUEUED and row.device_id
+    )
     fanout_keys = {(row.run_id, row.phase, row.index) for row in rows if row.status == StepStatus.PENDING}
     waved = {
         (row.run_id, row.index)
@@ -288,6 +299,9 @@ def _queued(row: StepRun, facts: WaitFacts, now: datetime) -> Waiting:
             device=device.name,
             since=row.queued_at,
         )
+    hold = row_hold(row, now, facts.groups)
+    if hold is not None:
+        return _held(row, hold, now)
     if not device.reachable:
         return _offline(row, now)
     state = facts.locks.get(device.name)
@@ -361,6 +375,20 @@ def _limit_full(row: StepRun, facts: WaitFacts, holder: str) -> Waiting | None:
             queue_position=state.waiting.index(holder) + 1,
         )
     return None
+
+
+def _held(row: StepRun, hold: Hold, now: datetime) -> Waiting:
+    """A command its time windows hold (jobs/engine/holds.py): until when, and why."""
+    device = row.device
+    values = {"device": device.name, "window": hold.window, "until": clock(hold.until, now=now)}
+    if hold.reason == "window":
+        message = _("Outside maintenance window %(window)s, opens at %(until)s") % values
+    else:
+        quiet = device_quiet_hours(device)
+        values["local"] = hold.until.astimezone(zone(quiet.tz)).strftime("%H:%M") if quiet else "-"
+        values["tz"] = quiet.tz if quiet else "-"
+        message = _("Quiet hours on %(device)s until %(until)s (%(local)s %(tz)s)") % values
+    return Waiting(hold.reason, message, device=device.name, until=hold.until)
 
 
 def _wait_online(row: StepRun, now: datetime) -> Waiting:
@@ -597,6 +625,15 @@ def _runs_told(
                 else _("Continuous fan-out open until closed by hand: devices that come to match it join")
             )
             waiting[run.pk] = Waiting("fanout_open", message, until=until, step=run.cursor)
+        elif (
+            run.status == RunStatus.PENDING and run.not_before is not None and run.not_before > timezone.now()
+        ):
+            waiting[run.pk] = Waiting(
+                "run_not_before",
+                _("The run starts at %(until)s (its start-not-before)") % {"until": clock(run.not_before)},
+                since=run.created_at,
+                until=run.not_before,
+            )
         elif run.status == RunStatus.PENDING:
             waiting[run.pk] = Waiting(
                 "run_pending", _("Waiting for a worker to start the run"), since=run.created_at
@@ -654,6 +691,7 @@ def runs_stuck(
     )
     unstarted = list(
         JobRun.objects.filter(status=RunStatus.PENDING, created_at__lt=cutoff)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lt=now))
         .order_by("-created_at")
         .values_list("pk", "created_at")[:limit]
     )

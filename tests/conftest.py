@@ -37,7 +37,7 @@ from iotqueue import celery_app
 from iotqueue.dynsec import control
 from iotqueue.mqtt import publisher
 from iotqueue.redis_conn import redis_connection
-from jobs.limits import limits_forget
+from jobs import limits
 
 # Flushing between transactional tests TRUNCATEs every table while the worker and bridge
 # may still be finishing a test's runs; on PostgreSQL the two can deadlock, and PostgreSQL
@@ -188,12 +188,15 @@ def _language_reset() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _limits_forgotten() -> Iterator[None]:
-    """Each test reads the shared concurrency limits afresh: a process keeps them for a few
-    seconds (jobs/limits.py), and a test's rolled-back limits fire no signal that forgets
-    them, so the next test would see limits its database does not hold."""
+def _limits_forgotten(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test reads the shared concurrency limits afresh, and keeps them until it changes
+    one: a process keeps them for a few seconds (jobs/limits.py), so a query count measured
+    across that expiry would count one read more; a limit saved or deleted in this process
+    is forgotten by its signal, and a test's rolled-back limits (no signal) after the test.
+    The worker processes keep the real expiry."""
+    monkeypatch.setattr(limits, "LIMITS_CACHE_SECONDS", float("inf"))
     yield
-    limits_forget()
+    limits.limits_forget()
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """Admin, the orchestration console: templates with inline ordered steps and *Run now*, runs
-with a live timeline and cancel / retry, devices with their lock holder and queue.
+with a live timeline and cancel / retry, devices with their lock holder and queue, maintenance
+windows with when each opens.
 
 Lists stay quick with millions of step runs and events (bench/admin_lists.py measures them):
 every list selects its related rows in the same query, step runs and events are read-only and
@@ -12,9 +13,9 @@ of rows (paging.py). One module per page family; importing them registers them.
 from django.contrib import admin
 from django.utils.translation import gettext_lazy as _
 
-from . import dashboard, devices, limits, records, runs, templates
+from . import dashboard, devices, limits, records, runs, templates, windows
 
 admin.site.site_header = _("iotqueue console")
 admin.site.site_title = _("iotqueue")
 
-__all__ = ["dashboard", "devices", "limits", "records", "runs", "templates"]
+__all__ = ["dashboard", "devices", "limits", "records", "runs", "templates", "windows"]

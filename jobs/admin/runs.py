@@ -85,6 +85,10 @@ class JobRunAdmin(admin.ModelAdmin):
         ),
         (gettext_lazy("Parameters"), {"fields": ["parameters_json"]}),
         (
+            gettext_lazy("Time windows"),
+            {"classes": ["collapse"], "fields": [("not_before", "end_by", "end_behaviour"), "windows_list"]},
+        ),
+        (
             gettext_lazy("Plan: the template's steps when the run started"),
             {"classes": ["collapse"], "fields": ["plan_json"]},
         ),
@@ -104,11 +108,22 @@ class JobRunAdmin(admin.ModelAdmin):
         "idempotency_key",
         "parameters_json",
         "plan_json",
+        "not_before",
+        "end_by",
+        "end_behaviour",
+        "windows_list",
     ]
     actions = ["cancel_runs", "retry_runs", "close_fanouts"]
 
     class Media:
         css = {"all": ["jobs/admin.css"]}
+
+    @admin.display(description=gettext_lazy("maintenance windows"))
+    def windows_list(self, run: JobRun) -> str:
+        """The maintenance windows the run kept when it was created (time windows)."""
+        return (
+            ", ".join(f"{w['name']} ({w['cron']}, {w['minutes']} min, {w['tz']})" for w in run.windows) or "-"
+        )
 
     def get_changelist_instance(self, request):
         """The page's reasons and fan-out progress, read for all its runs at once (a fixed

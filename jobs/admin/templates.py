@@ -23,7 +23,7 @@ from django.utils.translation import gettext_lazy, ngettext
 from devices.models import DeviceGroup, labels_validate
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES, json_text_parse
 
-from ..models import JobRun, JobStep, JobTemplate, Trigger
+from ..models import EndBehaviour, JobRun, JobStep, JobTemplate, Trigger
 from ..parameters import template_device_parameters, template_parameters
 from ..preview import run_preview
 from ..services import RunStartError, run_start, run_start_each, template_plan, template_version_record
@@ -219,6 +219,26 @@ class RunNowForm(forms.Form):
         help_text=gettext_lazy('JSON object, e.g. {"site": "berlin", "kind": "pump"}.'),
     )
 
+    not_before = forms.DateTimeField(
+        required=False,
+        label=gettext_lazy("Start not before"),
+        help_text=gettext_lazy("e.g. 2026-11-29 02:00 (the console's time zone); empty: now."),
+    )
+    end_by = forms.DateTimeField(
+        required=False,
+        label=gettext_lazy("End by"),
+        help_text=gettext_lazy("Then the end behaviour decides what still runs; empty: no end."),
+    )
+    end_behaviour = forms.ChoiceField(
+        choices=EndBehaviour.choices,
+        initial=EndBehaviour.CANCEL,
+        required=False,
+        label=gettext_lazy("End behaviour"),
+        help_text=gettext_lazy(
+            "Cancel: the run is canceled at its end. Finish: commands at work finish, nothing new starts."
+        ),
+    )
+
     def __init__(self, *args, needed: list[str], devices: set[str], **kwargs) -> None:
         """`needed`: the parameters the steps read, in order; `devices`: those naming a device."""
         super().__init__(*args, **kwargs)
@@ -373,6 +393,7 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
         fieldsets = [
             (None, {"fields": ["parameters", "priority"]}),
             (_("For each device (optional)"), {"fields": ["group", "labels"]}),
+            (_("Time window (optional)"), {"fields": ["not_before", "end_by", "end_behaviour"]}),
         ]
         if form.needed:
             description = _("What the template's steps read: each is required.")
@@ -422,6 +443,9 @@ class JobTemplateAdmin(TemplateVersionsAdminMixin, admin.ModelAdmin):
             "trigger": Trigger.ADMIN,
             "triggered_by": request.user.username,
             "priority": data["priority"],
+            "not_before": data["not_before"],
+            "end_by": data["end_by"],
+            "end_behaviour": data["end_behaviour"] or EndBehaviour.CANCEL,
         }
         if data["group"] or data["labels"]:
             group = data["group"].name if data["group"] else ""

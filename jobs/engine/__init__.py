@@ -26,6 +26,8 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  the `cancel` command
     kinds.py     the kinds' registry: what each step kind, row owner, failure policy and
                  deadline kind declared; the stages ask it instead of testing a kind
+    holds.py     whether a queued row may ask for its device now: its time windows
+                 (maintenance windows, quiet hours; an urgent step is never held)
     plan.py      what a step row executes (spec, target, args, ids); no writes
 
 Each kind declares itself with a decorator of kinds.py where it is defined: the command in

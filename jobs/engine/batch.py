@@ -80,6 +80,7 @@ from ..rows import rows_select
 from . import planner
 from .batch_publish import LastWrites
 from .executor import BatchConflict, BatchRetry, Executor, safely, transition
+from .holds import window_groups_read
 from .kinds import PLANNED_DEADLINES, REGISTRY, row_batched, row_ended_handler
 from .plan import RUN_ACTIVE, command_id_step, holder_step_id
 from .preempt import PreemptExecutor, preempt_refusal
@@ -196,6 +197,11 @@ def transition_apply(
     batch = Executor(rows)
     batch.last = last
     batch.plan.waits.update(device_flow_waits([row.device for row in at_cursor.values()]))
+    batch.plan.groups.update(
+        window_groups_read(
+            (runs[run_id], row.device.name) for run_id, row in at_cursor.items() if row.device_id
+        )
+    )
 
     def prepare() -> None:
         planner.runs_begin(batch.plan, runs, list(starts), at_cursor)
@@ -250,6 +256,9 @@ def deadlines_apply(deadlines: list[Deadline], *, retries: int = CONFLICT_RETRIE
     batch = Executor({})
     devices = [row.device for row in rows.values() if row.device_id]
     batch.plan.waits.update(device_flow_waits(devices))
+    batch.plan.groups.update(
+        window_groups_read((row.run, row.device.name) for row in rows.values() if row.device_id)
+    )
     # Who holds the locks a due `dispatch` asks about (read before the transaction).
     asked = {
         rows[d.step_run_id].device.name
@@ -299,6 +308,12 @@ def run_time_out_apply(run_id: str) -> bool:
     """The `run` deadline as one transition (planner.run_time_out_plan): a running run past
     its max_duration ends `timed_out` with its rows at work; False when it was not due."""
     return _run_stop(run_id, planner.run_time_out_plan)
+
+
+def run_end_by_apply(run_id: str) -> bool:
+    """The `end` deadline as one transition (planner.run_end_by_plan): a run at its end by
+    is canceled, or (`finish`) lets its commands at work finish; False when it was not due."""
+    return _run_stop(run_id, planner.run_end_by_plan)
 
 
 def _run_stop(run_id: str, plan_with, retries: int = CANCEL_RETRIES) -> bool:
@@ -479,6 +494,7 @@ def _rows_start(step_run_ids: list[int], *, quiet: bool, retries: int = CONFLICT
     batch.dispatch_conflict = BatchConflict
     batch.plan.quiet = quiet
     batch.plan.waits.update(device_flow_waits([row.device for row in rows if row.device_id]))
+    batch.plan.groups.update(window_groups_read((row.run, row.device.name) for row in rows if row.device_id))
 
     def prepare() -> None:
         for row in rows:

@@ -33,6 +33,7 @@ from ..rows import Writes, rows_atomic, rows_select
 from . import planner
 from .batch_publish import BatchPublish, LastWrites
 from .dispatch import cancel_command_send, queued_notice_send
+from .holds import window_groups_read
 from .plan import step_holder
 from .planner import Plan, RowWrite
 
@@ -164,6 +165,7 @@ class Executor(BatchPublish):
         reserve = (StepRun, len(self.plan.naming))
         found, ids = self.writes.send(select=(Device, "name", names, ()), reserve=reserve)
         self.plan.waits.update(device_flow_waits(found))
+        self.plan.groups.update(window_groups_read((run, name) for run, _spec, name in self.plan.naming))
         planner.rows_name(self.plan, {device.name: device for device in found}, ids)
 
     def locks_apply(self) -> None:
@@ -183,6 +185,9 @@ class Executor(BatchPublish):
         # has them.)
         rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
         self.plan.waits.update(device_flow_waits([row.device for row in rows.values() if row.device_id]))
+        self.plan.groups.update(
+            window_groups_read((r.run, r.device.name) for r in rows.values() if r.device_id)
+        )
         writes = planner.handed_plan(self.plan, rows)
         if writes.ops or writes.writes:
             device_locks_apply(writes, zset=deadlines_key)

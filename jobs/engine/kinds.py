@@ -31,9 +31,9 @@ from .plan import FANOUT, spec_kind, step_spec
 BUILT_IN_POLICIES = (OnFailure.ABORT, OnFailure.CONTINUE)
 # Deadline kinds the planner decides for every row (jobs/engine/planner.py `dues_plan`):
 # an attempt's `ack` and `done`, a back-off's `retry`, a spaced or lost `dispatch`, a
-# `queue` wait. They have no handler; a kind that takes its rows' deadlines over
-# (`row_deadline`: a delay) still gets them.
-PLANNED_DEADLINES = ("ack", "done", "retry", "dispatch", "queue")
+# `queue` wait, a held command's `window`. They have no handler; a kind that takes its
+# rows' deadlines over (`row_deadline`: a delay) still gets them.
+PLANNED_DEADLINES = ("ack", "done", "retry", "dispatch", "queue", "window")
 
 StepStarter = Callable[[JobRun, int], None]  # raises start.StepRefused
 RowEnded = Callable[[StepRun], None]

@@ -21,14 +21,18 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 |                           |                                   | lock release and hand-on, deadlines  |
 | due ack, done `dues_plan` | the step row the deadline names   | as a failed, retryable done          |
 | due retry `dues_plan`     | the same                          | row queued again, lock acquire       |
+| due window `dues_plan`    | the same                          | the same (held again if it must)     |
 | cancel `cancel_plan`      | the run, its rows not ended       | run and rows canceled, locks handed  |
 |                           |                                   | on or left, `cancel` commands        |
 | due run `run_time_out_plan` | the same                        | the same, timed out; the run ended   |
+| due end `run_end_by_plan` | the same                          | canceled, or (finish) rows not sent  |
+|                           |                                   | canceled, those at work go on        |
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
 | a step's outcome decided  | the run                           | the same (`steps_decide`; a fan-out's|
 | elsewhere `steps_decide`  |                                   | summary, a refused start, a delay)   |
 | next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
-|                           |                                   | deadlines written on grant)          |
+|                           |                                   | deadlines written on grant); held by |
+|                           |                                   | its time windows: a `window` deadline|
 | lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
 | hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
 
@@ -42,7 +46,7 @@ read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -58,10 +62,21 @@ from .. import templating
 from ..deadlines import KINDS, Deadline, by_shard, deadline_score
 from ..events import EventLog
 from ..limits import Limit, row_slots
-from ..models import STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..models import (
+    STEP_IN_FLIGHT,
+    STEP_TERMINAL,
+    EndBehaviour,
+    JobRun,
+    Phase,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
 from ..rows import row_new
+from ..timewindows import Hold
 from .attempts import Outcome, attempt_deadlines, attempt_extension, attempt_outcome
 from .dispatch import Attempt, attempt_new
+from .holds import hold_message, row_hold
 from .kinds import (
     row_batched,
     row_behaviour,
@@ -170,6 +185,9 @@ class Plan:
     limits: list[Limit] = field(default_factory=list)
     flow_sent: list[Device] = field(default_factory=list)  # flow-controlled, sent to now
     unplanned: list[Deadline] = field(default_factory=list)  # for jobs/engine/due.py's handlers
+    # Facts: the group names of devices whose run has group maintenance windows (holds.py).
+    groups: dict[str, frozenset[str]] = field(default_factory=dict)
+    held: RowWrite | None = None  # held rows' new queue deadlines (`_held`)
 
     def write(self, model: type[Model], rows: list, fields: list[str], **guard: Any) -> None:
         if rows:
@@ -208,8 +226,8 @@ def runs_begin(
         if run.status == RunStatus.RUNNING:
             _run_resume(plan, run, at_cursor.get(run.pk))
             continue
-        if run.status != RunStatus.PENDING:
-            continue
+        if run.status != RunStatus.PENDING or (run.not_before is not None and run.not_before > plan.now):
+            continue  # (a run not due yet is started by its `start` deadline)
         run.status, run.started_at = RunStatus.RUNNING, plan.now
         if run.max_duration:
             run.deadline = plan.now + timedelta(seconds=run.max_duration)
@@ -377,6 +395,7 @@ def dues_plan(
     timing_out: list[StepRun] = []
     requeued: list[StepRun] = []
     queue_timed_out: list[StepRun] = []
+    reopened: list[StepRun] = []
     seen: set[int] = set()
     for deadline in deadlines:
         row = rows.get(deadline.step_run_id)
@@ -385,7 +404,7 @@ def dues_plan(
         if row_deadline_handler(row) is not None:
             plan.unplanned.append(deadline)
             continue
-        if deadline.kind in ("retry", "dispatch") and not row_batched(row):
+        if deadline.kind in ("retry", "dispatch", "window") and not row_batched(row):
             continue  # a kind that dispatches nothing (wait_online) is never retried or spaced
         answering = (StepStatus.DISPATCHED,) if deadline.kind == "ack" else STEP_IN_FLIGHT
         if deadline.kind in ("ack", "done") and row.status in answering:
@@ -405,7 +424,16 @@ def dues_plan(
             row.deadline = plan.now + timedelta(seconds=spec["queue_timeout_seconds"])
             plan.events.add("step.queued", step_run=row, message=f"for attempt {row.attempt + 1}")
             requeued.append(row)
-            row_acquire(plan, row)
+            row_acquire(plan, row, written=True)
+            seen.add(row.pk)
+        elif deadline.kind == "window" and row.status == StepStatus.QUEUED:
+            # Its window opened (or its quiet hours ended): it asks for its device again,
+            # with a queue deadline from now (`row_acquire` holds it again if it must).
+            spec = step_spec(row)
+            row.queued_at = plan.now
+            row.deadline = plan.now + timedelta(seconds=spec["queue_timeout_seconds"])
+            reopened.append(row)
+            row_acquire(plan, row, written=True)
             seen.add(row.pk)
         elif deadline.kind in ("dispatch", "queue") and row.status == StepStatus.QUEUED:
             seen.add(row.pk)
@@ -424,6 +452,14 @@ def dues_plan(
         status_in=(StepStatus.RETRYING,),
         match="attempt",
         conflict="a retrying step moved meanwhile",
+    )
+    plan.write(
+        StepRun,
+        reopened,
+        ["queued_at", "deadline"],
+        status_in=(StepStatus.QUEUED,),
+        match="attempt",
+        conflict="a held step moved meanwhile",
     )
     _attempts_write(plan, timing_out)
     plan.write(
@@ -501,6 +537,49 @@ def run_time_out_plan(plan: Plan, run: JobRun, rows: list[StepRun]) -> bool:
     plan.write(JobRun, [run], CANCEL_FIELDS, status_in=(RunStatus.RUNNING,), conflict="a run ended meanwhile")
     plan.events.add("run.timed_out", run=run, message=reason)
     return True
+
+
+def run_end_by_plan(plan: Plan, run: JobRun, rows: list[StepRun]) -> bool:
+    """A run at its end by (False when it is not: ended, compensating, or not due). With
+    `cancel`, and for a run that has not started, it is canceled (`cancel_plan`). With
+    `finish`, its commands at work go on and nothing new starts: rows not sent yet are
+    canceled (a fan-out's devices not started skipped), and the run ends `canceled` once
+    no command is at work (`steps_decide` ends it instead of moving on)."""
+    if (
+        run.end_by is None
+        or run.end_by > plan.now
+        or run.status not in (RunStatus.PENDING, RunStatus.RUNNING)
+    ):
+        return False
+    reason = f"end by {run.end_by.isoformat()} reached"
+    if run.end_behaviour != EndBehaviour.FINISH or run.status == RunStatus.PENDING:
+        return cancel_plan(plan, run, rows, reason=reason)
+    forward = [row for row in rows if row.phase == Phase.FORWARD and row.status not in STEP_TERMINAL]
+    skipped = [row for row in forward if row.status == StepStatus.PENDING]
+    for row in skipped:
+        row.status, row.error, row.finished_at = StepStatus.SKIPPED, reason, plan.now
+    plan.write(
+        StepRun, skipped, CANCEL_FIELDS, status_in=(StepStatus.PENDING,), conflict="a row started meanwhile"
+    )
+    waiting = [row for row in forward if row.status in (StepStatus.QUEUED, StepStatus.RETRYING)]
+    rows_stop(plan, waiting, status=StepStatus.CANCELED, reason=reason)
+    at_work = [row for row in forward if row.status in STEP_IN_FLIGHT]
+    plan.events.add(
+        "run.ending", run=run, message=f"{reason}: {len(at_work)} commands at work finish, nothing new starts"
+    )
+    if not at_work:
+        run.status, run.error, run.finished_at = RunStatus.CANCELED, reason, plan.now
+        plan.write(
+            JobRun, [run], CANCEL_FIELDS, status_in=(RunStatus.RUNNING,), conflict="a run ended meanwhile"
+        )
+        plan.events.add("run.canceled", run=run, message=reason)
+    return True
+
+
+def run_ended_by(run: JobRun, now: datetime) -> bool:
+    """Whether the run is past an end by that lets what started finish (`finish`): it
+    starts no next step."""
+    return run.end_by is not None and run.end_by <= now and run.end_behaviour == EndBehaviour.FINISH
 
 
 def rows_stop(plan: Plan, rows: list[StepRun], *, status: str, reason: str) -> None:
@@ -618,6 +697,9 @@ def steps_decide(plan: Plan, done: list[StepDone]) -> None:
             continue
         if decided.cursor is not None:
             run.cursor = decided.cursor
+        if not decided.status and run_ended_by(run, plan.now):
+            error = f"end by {run.end_by.isoformat()} reached; the steps from #{run.cursor} did not run"
+            decided = replace(decided, status=RunStatus.CANCELED, error=error)
         if decided.status:
             run.status, run.error, run.finished_at = decided.status, decided.error, plan.now
             finished.append(run)
@@ -674,12 +756,18 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
         row = row_new(StepRun, pk=pk, **fields)
         plan.new_rows.append(row)
         plan.events.add("step.queued", step_run=row, message=queued_message(row))
-        row_acquire(plan, row)
+        row_acquire(plan, row, written=True)
 
 
-def row_acquire(plan: Plan, row: StepRun) -> None:
+def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:
     """A queued row asks for its device's lock: dispatched if granted (`locks_answered`),
-    else its queue deadline is written with the acquire; an offline device is not asked."""
+    else its queue deadline is written with the acquire; an offline device is not asked,
+    nor is one outside the row's time windows (`_held`). `written`: the plan writes the
+    row's `deadline` already (a new row, a row queued again)."""
+    hold = row_hold(row, plan.now, plan.groups)
+    if hold is not None:
+        _held(plan, row, hold, written=written)
+        return
     if row.device_id is None:
         # A row without a device (a task step with no target) takes no lock: dispatched
         # with the lock call's grants (after the writes planned so far were checked).
@@ -720,6 +808,40 @@ def row_acquire(plan: Plan, row: StepRun) -> None:
         slots=row_slots(row, plan.limits),
     )
     plan.acquires[index] = (row, attempt)
+
+
+def _held(plan: Plan, row: StepRun, hold: Hold, *, written: bool, locks: LockBatch | None = None) -> None:
+    """The row stays queued without asking for its device (time windows: holds.py); a
+    `window` deadline asks again when it may go, and its queue deadline counts from then.
+    A row that may be in its device's queue (asking again) leaves it; its `queued_at` is
+    the time it may go (the monitor's sweep of lost lock requests and "stuck" pass it by).
+    `locks`: the lock writes to add to when the plan's own lock call was made already (a
+    hand-off)."""
+    row.queued_at = hold.until
+    row.deadline = hold.until + timedelta(seconds=step_spec(row)["queue_timeout_seconds"])
+    queue, window = Deadline.of("queue", row), Deadline.of("window", row)
+    if locks is None:
+        plan.zset_remove([queue])
+        plan.zset_add({window: hold.until})
+        if not written:
+            plan.dequeues.add(plan.locks.dequeue(row.device.name, holder=step_holder(row)))
+    else:
+        locks.zset_remove([queue.member], shard=queue.shard)
+        locks.zset_add({window.member: deadline_score(hold.until)}, shard=window.shard)
+    if not written:
+        if plan.held is None:
+            plan.held = RowWrite(
+                StepRun,
+                [],
+                ["queued_at", "deadline"],
+                (StepStatus.QUEUED,),
+                match="attempt",
+                conflict="a held step moved",
+            )
+            plan.writes.append(plan.held)
+        plan.held.rows.append(row)
+    if not plan.quiet:
+        plan.events.add("step.held", step_run=row, message=hold_message(hold))
 
 
 def locks_order(plan: Plan) -> None:
@@ -822,6 +944,13 @@ def handed_plan(plan: Plan, rows: dict[int, StepRun]) -> LockBatch:
         if row.status != StepStatus.QUEUED or row.run.status not in RUN_ACTIVE or not row_batched(row):
             if not (row.status in STEP_IN_FLIGHT and row.fence == grant.fence):
                 plan.later_add("pass_on", device=device, holder=grant.holder, fence=grant.fence)
+            continue
+        hold = row_hold(row, plan.now, plan.groups)
+        if hold is not None:
+            # Its window closed while it waited in the queue: the device goes to the next
+            # waiter, the row asks again when it may go.
+            plan.later_add("pass_on", device=device, holder=grant.holder, fence=grant.fence)
+            _held(plan, row, hold, written=False, locks=writes)
             continue
         wait = plan.waits.get(device, 0.0)
         if wait > 0:

@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='jobstep',
             name='urgent',
-            field=models.BooleanField(default=False, help_text="An urgent step of a run at or above the deployment's IOTQUEUE_PREEMPT_PRIORITY takes a busy device from a lower-priority run: that command is canceled on the device and queued again.", verbose_name='urgent'),
+            field=models.BooleanField(default=False, help_text="Ignores the devices' quiet hours and maintenance windows; in a run at or above the deployment's IOTQUEUE_PREEMPT_PRIORITY it also takes a busy device from a lower-priority run: that command is canceled on the device and queued again.", verbose_name='urgent'),
         ),
         migrations.RunPython(versions_fill, migrations.RunPython.noop),
     ]

@@ -1,13 +1,16 @@
-"""`manage.py run_start TEMPLATE [--param KEY=VALUE ...] [--wait]`: start a run, optionally follow it."""
+"""`manage.py run_start TEMPLATE [--param KEY=VALUE ...] [--not-before TIME] [--end-by TIME] [--wait]`:
+start a run, optionally follow it."""
 
 import json
+from datetime import datetime
 
 from django.core.management.base import CommandError
+from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from iotqueue.cli_language import LocalizedCommand
 from jobs.cli import operator_name, run_wait, timeline_log_quiet
-from jobs.models import JobTemplate, Trigger
+from jobs.models import EndBehaviour, JobTemplate, Trigger
 from jobs.services import RunStartError, run_start
 
 # Template names listed when the one asked for does not exist.
@@ -49,6 +52,20 @@ def parameters_parse(params_json: str | None, pairs: list[str]) -> dict:
     return parameters
 
 
+def time_parse(option: str, text: str | None) -> datetime | None:
+    """An ISO 8601 time of the command line; one without an offset is the server's time zone."""
+    if not text:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise CommandError(
+            _("%(option)s %(text)r is not an ISO 8601 time, e.g. 2026-11-29T02:00+01:00")
+            % {"option": option, "text": text}
+        ) from None
+    return timezone.make_aware(value) if timezone.is_naive(value) else value
+
+
 class Command(LocalizedCommand):
     help = (
         "Start a run of a template and print its id. With --wait, follow it step by step until "
@@ -71,6 +88,18 @@ class Command(LocalizedCommand):
         )
         parser.add_argument(
             "--idempotency-key", help="a key used again within the idempotency window returns that run"
+        )
+        parser.add_argument(
+            "--not-before",
+            metavar="TIME",
+            help="time windows: start no earlier, ISO 8601 (2026-11-29T02:00+01:00)",
+        )
+        parser.add_argument("--end-by", metavar="TIME", help="time windows: end by, ISO 8601")
+        parser.add_argument(
+            "--end-behaviour",
+            choices=EndBehaviour.values,
+            default=EndBehaviour.CANCEL,
+            help="at --end-by: cancel the run, or let commands at work finish and start nothing new",
         )
         parser.add_argument("--by", help="who starts it, for the audit trail (default: your OS user)")
         parser.add_argument(
@@ -95,6 +124,9 @@ class Command(LocalizedCommand):
                 triggered_by=options["by"] or operator_name(),
                 priority=options["priority"],
                 idempotency_key=options["idempotency_key"],
+                not_before=time_parse("--not-before", options["not_before"]),
+                end_by=time_parse("--end-by", options["end_by"]),
+                end_behaviour=options["end_behaviour"],
             )
         except RunStartError as exc:
             raise CommandError(

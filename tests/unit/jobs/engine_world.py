@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from uuid import UUID
 
 from devices import protocol
@@ -301,9 +302,10 @@ class World:
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
         # Every input of this world (command steps only) is planned whole: nothing is left
-        # to the general path but an urgent row's preemption, which a test applies itself.
+        # to the general path but an urgent row's preemption, which a test applies itself, and
+        # a device a held row hands on (time windows).
         self.preempts += [later.args["step_run_id"] for later in plan.later if later.what == "preempt"]
-        assert all(later.what == "preempt" for later in plan.later), plan.later
+        assert all(later.what in ("preempt", "pass_on") for later in plan.later), plan.later
         # Replies that answer no current attempt: recorded, sampled (counted in Redis).
         self.sampled += [kind for kind, _, _ in plan.events.sampled]
         self.members.update(self.locks.zset)
@@ -318,6 +320,13 @@ class World:
             # An acquire found the epoch gone (NotReady): jobs/engine/batch.py rebuilds the
             # locks after the commit.
             self.locks_rebuild()
+        for later in plan.later:  # devices.locks.device_lock_pass_on, its hand-off planned
+            if later.what == "pass_on":
+                self.apply(partial(self._passed_on, **later.args))
+
+    def _passed_on(self, plan, *, device: str, holder: str, fence: int) -> None:
+        index = plan.locks.release(device, holder=holder, fence=fence)
+        plan.releases[index] = self.row_read(holder_step_id(holder))
 
     def publish(self, row: StepRun) -> None:
         device = row.device.name

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+from datetime import timedelta
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -240,6 +241,16 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(device=st.sampled_from(DEVICES), online=st.booleans())
     def presence_flaps(self, device, online):
         self.world.presence(device, online)
+
+    @rule(device=st.sampled_from(DEVICES), minutes=st.sampled_from([0, 1, 5]))
+    def quiet_hours_change(self, device, minutes):
+        """Time windows: the device's quiet hours (UTC) begin now for `minutes`, or end."""
+        now, target = self.world.now, self.world.devices[device]
+        if minutes:
+            target.quiet_hours_start = (now - timedelta(hours=1)).time()
+            target.quiet_hours_end = (now + timedelta(minutes=minutes)).time()
+        else:
+            target.quiet_hours_start = target.quiet_hours_end = None
 
     # --- invariants ------------------------------------------------------------------
 
