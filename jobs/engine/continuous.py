@@ -8,6 +8,8 @@ pump and limits as the others. A device whose row timed out waiting in its queue
 sent: it was offline) gets that row queued again when it joins online. The step is not
 decided while it is open; it closes at its end-by (`open_seconds`, the `fanout_close`
 deadline) or by hand (`fanout_close`), and then the success criterion decides over all rows.
+A run that ends while its fan-out is open (canceled, timed out) closes it (`run_ended`). In
+waves, a device that joins goes into the open wave.
 
 How devices are noticed: jobs/apps.py connects device saves, group changes and bulk label
 edits to `device_changes_noticed`, and a presence batch's devices back online reach
