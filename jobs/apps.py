@@ -116,12 +116,15 @@ def continuous_hooks_connect() -> None:
     from devices.models import Device
 
     from .engine import continuous
+    from .events import run_ended
 
     post_save.connect(continuous.device_saved, sender=Device, dispatch_uid="jobs.continuous.saved")
     m2m_changed.connect(
         continuous.device_groups_changed, sender=Device.groups.through, dispatch_uid="jobs.continuous.groups"
     )
     devices_labels_changed.connect(continuous.devices_relabelled, dispatch_uid="jobs.continuous.labels")
+    # A run that ends while its continuous fan-out is open closes it (runs with one only).
+    run_ended.connect(continuous.run_ended, dispatch_uid="jobs.continuous.run_ended")
 
 
 # The task that lets runs react to devices' presence (jobs/tasks.py), by name.

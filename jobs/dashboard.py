@@ -36,7 +36,18 @@ from iotqueue.redis_conn import lock_redis_connection
 from .choices import AbortCause, RolloutIncrementOn
 from .engine.fanout import CAUSE_STATUSES, RAMP_MAX_STEPS, RATE_WINDOW, abort_criteria, rollout_rate
 from .engine.plan import spec_is_fanout
-from .models import STEP_AT_WORK, STEP_IN_FLIGHT, STEP_TERMINAL, JobRun, Phase, RunStatus, StepRun, StepStatus
+from .models import (
+    STEP_AT_WORK,
+    STEP_IN_FLIGHT,
+    STEP_TERMINAL,
+    JobRun,
+    Phase,
+    RolloutState,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
+from .models import Rollout as WavesRollout
 from .services import devices_from_text
 
 log = logging.getLogger(__name__)
@@ -313,6 +324,12 @@ class Rollout:
     rate_per_minute: int  # what the ramp allows now; 0 = no limit
     eta: timedelta | None  # until the last pending device is started; None: unknown
     gauges: list[AbortGauge] = field(default_factory=list)
+    waves: WavesRollout | None = None  # a fan-out in waves: where its rollout stands
+
+    @property
+    def halted(self) -> bool:
+        """A rollout in waves that starts no device now: paused, soaking or at a gate."""
+        return self.waves is not None and self.waves.state not in (RolloutState.RUNNING, RolloutState.ENDED)
 
     @property
     def total(self) -> int:
@@ -443,15 +460,32 @@ def rollouts_active(*, now: datetime | None = None, limit: int = ROLLOUTS_SHOWN)
     for run_id, status, n, started in rows:
         by_run.setdefault(run_id, Counter())[status] = n
         recent[run_id] += started
+    # Fan-outs in waves: where each rollout stands (one query, only when one is shown).
+    waved = Q()
+    for run in runs:
+        if run.plan[run.cursor].get("waves"):
+            waved |= Q(run_id=run.pk, index=run.cursor)
+    waves = {rollout.run_id: rollout for rollout in WavesRollout.objects.filter(waved)} if waved else {}
     return [
-        rollout_summary(run=run, by_status=by_run.get(run.pk, Counter()), started_last_minute=recent[run.pk])
+        rollout_summary(
+            run=run,
+            by_status=by_run.get(run.pk, Counter()),
+            started_last_minute=recent[run.pk],
+            waves=waves.get(run.pk),
+        )
         for run in runs
     ]
 
 
-def rollout_summary(*, run: JobRun, by_status: Mapping[str, int], started_last_minute: int) -> Rollout:
+def rollout_summary(
+    *,
+    run: JobRun,
+    by_status: Mapping[str, int],
+    started_last_minute: int,
+    waves: WavesRollout | None = None,
+) -> Rollout:
     """A running fan-out at the run's cursor, from its rows by status and how many started
-    within the rate window: pure, no query."""
+    within the rate window (and, in waves, its `Rollout` row): pure, no query."""
     by_status = Counter(by_status)
     spec = run.plan[run.cursor]
     base = spec.get("rollout_per_minute") or 0
@@ -496,6 +530,7 @@ def rollout_summary(*, run: JobRun, by_status: Mapping[str, int], started_last_m
         rate_per_minute=rate,
         eta=eta,
         gauges=gauges,
+        waves=waves,
     )
 
 

@@ -764,6 +764,8 @@ class Rollout(models.Model):
         verbose_name = _("rollout")
         verbose_name_plural = _("rollouts")
         constraints = [models.UniqueConstraint(fields=["run", "index"], name="rollout_unique_run_index")]
+        # The monitor's sweep of soaks and webhook gates whose Redis trace was lost (gaps).
+        indexes = [models.Index(fields=["state", "updated_at"], name="rollout_state_updated")]
 
     def __str__(self) -> str:
         return (

@@ -3,7 +3,8 @@
 A tick costs O(what is due): it claims due deadlines and expired lock leases from Redis
 sorted sets in batches and enqueues one small task per item. Every IOTQUEUE_RECONCILE_SECONDS one
 tick also asks the database (the authority) for work Redis may have lost — overdue steps,
-runs that never started, runs whose step ended but that did not move on — through
+runs that never started, runs whose step ended but that did not move on, rollouts in waves
+whose soak ended or whose webhook gate was never asked — through
 indexed queries, so a lost task or a Redis restart delays a run but never strands it.
 After Redis lost its data, the device locks are rebuilt from the database before any new
 grant (see devices/locks.py, NotReady).
@@ -27,6 +28,7 @@ from iotqueue.redis_conn import redis_connection, redis_key
 from .deadlines import Deadline, deadlines_claim, deadlines_set
 from .engine.batch import inbox_apply, run_continue
 from .engine.continuous import fanouts_overdue_close
+from .engine.fanout import gates_unanswered, soaks_overdue
 from .engine.rollback import compensation_next
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
@@ -90,9 +92,9 @@ def _actions_count(due: list[Deadline], *, leases: int, swept: int, rebuilt: boo
 
 def reconcile() -> int:
     """Re-find, from the database, work whose Redis trace (deadline, task) was lost."""
-    now = timezone.now()
+    now, interval = timezone.now(), settings.IOTQUEUE_RECONCILE_SECONDS
     # Overdue by a third of the sweep interval: the fast path (deadline set) had its chance.
-    grace = timedelta(seconds=settings.IOTQUEUE_RECONCILE_SECONDS / 3)
+    grace = timedelta(seconds=interval / 3)
     overdue = list(
         StepRun.objects.filter(status__in=list(DEADLINE_KIND_FOR_STATUS), deadline__lt=now - grace)
         .order_by("deadline")
@@ -178,16 +180,24 @@ def reconcile() -> int:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")
     # Continuous fan-outs past their end-by whose `fanout_close` deadline was lost.
     closed = fanouts_overdue_close(before=now - grace)
+    # Rollouts in waves whose soak ended but whose `soak` deadline was lost, and rollouts
+    # whose webhook gate was never asked (its task lost): past the gate's own timeout and a
+    # sweep interval, an ask would have been answered or refused by now; it is asked again.
+    soaks = soaks_overdue(before=now - grace)
+    unanswered = timedelta(seconds=settings.IOTQUEUE_WAVE_GATE_TIMEOUT_SECONDS + interval)
+    gates = gates_unanswered(before=now - unanswered)
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
-    if overdue or unstarted or moved or expired or closed:
+    if overdue or unstarted or moved or expired or closed or soaks or gates:
         log.warning(
             "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d runs past max_duration, "
-            "%d continuous fan-outs past their end-by",
+            "%d continuous fan-outs past their end-by, %d soaks over, %d webhook gates asked again",
             len(overdue),
             len(unstarted),
             moved,
             len(expired),
             closed,
+            soaks,
+            gates,
         )
-    return len(overdue) + len(unstarted) + moved + len(expired) + closed
+    return len(overdue) + len(unstarted) + moved + len(expired) + closed + soaks + gates

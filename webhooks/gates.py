@@ -9,7 +9,8 @@ How it fails: the URL is checked as a webhook's is (webhooks/addresses.py: no lo
 private or metadata address unless IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS allows it), and the
 connection goes to the address that was checked; redirects are not followed; the wait is
 IOTQUEUE_WAVE_GATE_TIMEOUT_SECONDS at most. A task that is lost (a broker away when the
-wave ended) leaves the rollout awaiting the webhook: an operator approves or pauses it.
+wave ended) leaves the rollout awaiting the webhook until the monitor's sweep asks again
+(jobs/engine/fanout.py `gates_unanswered`), or an operator decides.
 """
 
 from __future__ import annotations

@@ -197,10 +197,14 @@ def stuck_context(now: datetime) -> dict[str, Any]:
 def rollouts_context(now: datetime) -> list[dict[str, Any]]:
     out = []
     for rollout in rollouts_active(now=now):
-        eta = rollout.eta
+        # A rollout in waves that is paused, soaking or at a gate starts no device: its state
+        # says when it goes on, not an ETA.
+        halt = waves_halt_text(rollout.waves) if rollout.halted else ""
+        eta = None if halt else rollout.eta
         out.append(
             {
                 "rollout": rollout,
+                "halt": halt,
                 "url": run_url(rollout.run.pk),
                 "eta": duration_format(eta) if eta is not None else None,
                 "eta_at": now + eta if eta is not None else None,
@@ -220,6 +224,26 @@ def rollouts_context(now: datetime) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def waves_halt_text(waves: Rollout) -> str:
+    """Why a rollout in waves starts no device now, for people: "Paused by ops: change
+    freeze", "Awaiting approval of wave 2 of 3.", the webhook, or the soak's end."""
+    following = {"wave": waves.wave + 2, "waves": len(waves.waves)}
+    if waves.state == RolloutState.PAUSED:
+        who = waves.decided_by or "?"
+        if waves.reason:
+            return _("Paused by %(who)s: %(reason)s") % {"who": who, "reason": waves.reason}
+        return _("Paused by %(who)s.") % {"who": who}
+    if waves.state == RolloutState.AWAITING_APPROVAL:
+        return _("Awaiting approval of wave %(wave)s of %(waves)s.") % following
+    if waves.state == RolloutState.AWAITING_WEBHOOK:
+        return _("Awaiting the webhook's answer for wave %(wave)s of %(waves)s.") % following
+    if waves.soak_until is not None:
+        until = formats.time_format(timezone.localtime(waves.soak_until), "H:i:s")
+        text = _("Soaking until %(until)s; then its gate decides whether wave %(wave)s of %(waves)s opens.")
+        return text % {**following, "until": until}
+    return _("Soaking; then its gate decides whether wave %(wave)s of %(waves)s opens.") % following
 
 
 CAUSE_NAMES = {

@@ -8,6 +8,8 @@ pump and limits as the others. A device whose row timed out waiting in its queue
 sent: it was offline) gets that row queued again when it joins online. The step is not
 decided while it is open; it closes at its end-by (`open_seconds`, the `fanout_close`
 deadline) or by hand (`fanout_close`), and then the success criterion decides over all rows.
+A run that ends while its fan-out is open (canceled, timed out) closes it (`run_ended`). In
+waves, a device that joins goes into the open wave.
 
 How devices are noticed: jobs/apps.py connects device saves, group changes and bulk label
 edits to `device_changes_noticed`, and a presence batch's devices back online reach
@@ -32,8 +34,8 @@ from devices.selectors import labels_requirements, selector_matches, selector_pa
 
 from .. import templating
 from ..deadlines import FANOUT_CLOSE, Deadline, deadlines_clear
-from ..events import event_record
-from ..models import ContinuousFanout, JobRun, Phase, RunStatus, StepRun, StepStatus
+from ..events import event_record, event_run
+from ..models import ContinuousFanout, JobRun, Phase, Rollout, RunStatus, StepRun, StepStatus
 from .fanout import fanout_progress, fanout_pump
 from .kinds import run_deadline
 from .plan import step_args
@@ -186,6 +188,10 @@ def fanout_devices_add(*, run: JobRun, index: int, devices: list[Device]) -> int
             )
         )
         spec = run.plan[index]
+        # A fan-out in waves: who joins goes into the open wave (it starts now while the
+        # rollout runs, and waits with the wave while it is paused, soaking or at a gate).
+        rollout = Rollout.objects.filter(run=run, index=index).first() if spec.get("waves") else None
+        wave = rollout.wave if rollout is not None else 0
         new, refused = [], []
         for device in devices:
             if device.pk in have:
@@ -195,8 +201,13 @@ def fanout_devices_add(*, run: JobRun, index: int, devices: list[Device]) -> int
             except templating.TemplateError as exc:
                 refused.append(f"{device.name}: {exc}")
                 continue
-            new.append(StepRun(run=run, index=index, device=device, action=spec["action"], args=args))
+            new.append(
+                StepRun(run=run, index=index, device=device, action=spec["action"], args=args, wave=wave)
+            )
         StepRun.objects.bulk_create(new, ignore_conflicts=True)
+        if rollout is not None and new:
+            rollout.waves[wave]["size"] += len(new)
+            rollout.save(update_fields=["waves", "updated_at"])
         again = [device for device in devices if device.pk in unsent and device.online]
         rows.filter(device__in=again, status=StepStatus.TIMED_OUT, dispatched_at=None).update(
             status=StepStatus.PENDING, error="", finished_at=None, deadline=None, queued_at=None
@@ -209,6 +220,45 @@ def fanout_devices_add(*, run: JobRun, index: int, devices: list[Device]) -> int
         if names:
             fanout_pump(run=run, index=index)
     return len(names)
+
+
+def run_ended(sender, event, **kwargs) -> None:
+    """jobs.events.run_ended: a run that ended (canceled, timed out, failed) while its
+    continuous fan-out was open closes it after the commit. Only a run whose plan has a
+    continuous step (the plan is in memory) is looked at: no query for other runs' ends."""
+    run = event_run(event)
+    if run is None:
+        return  # no run kept on the event: the next device change closes it (`fanouts_join`)
+    if "plan" not in run.get_deferred_fields() and not any(spec.get("continuous") for spec in run.plan):
+        return
+    status = event.kind.removeprefix("run.")
+    transaction.on_commit(lambda: fanouts_close_ended(run=run, status=status))
+
+
+def fanouts_close_ended(*, run: JobRun, status: str) -> int:
+    """Close the continuous fan-outs still open of a run that ended `status`, each with a
+    `step.fanout_closed` event; returns how many (none when they were closed already)."""
+    now, closed = timezone.now(), 0
+    with transaction.atomic():
+        opened = list(ContinuousFanout.objects.filter(run=run, closed_at=None))
+        for fanout in opened:
+            if not ContinuousFanout.objects.filter(pk=fanout.pk, closed_at=None).update(closed_at=now):
+                continue
+            closed += 1
+            rows = StepRun.objects.filter(run=run, phase=Phase.FORWARD, index=fanout.index).count()
+            event_record(
+                "step.fanout_closed",
+                run=run,
+                message=f"continuous fan-out closed with {rows} devices: the run ended {status}",
+                index=fanout.index,
+                by=None,
+                devices=rows,
+                run_ended=status,
+            )
+        due = [Deadline(FANOUT_CLOSE, str(run.pk), f.index) for f in opened if f.closes_at is not None]
+        if due:
+            transaction.on_commit(lambda: deadlines_clear(due))
+    return closed
 
 
 def _joined_record(run: JobRun, index: int, names: list[str], *, retried: int) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from .. import templating
@@ -533,6 +533,9 @@ def fanout_stop(*, run: JobRun, index: int, error: str, **data: Any) -> None:
         **data,
     )
     Rollout.objects.filter(run=run, index=index).update(state=RolloutState.ENDED)
+    if run.plan[index].get("continuous"):
+        # An aborted continuous fan-out takes no one any more, whatever the run does next.
+        ContinuousFanout.objects.filter(run=run, index=index, closed_at=None).update(closed_at=timezone.now())
     step_done_apply(str(run.pk), index, ok=False, status=StepStatus.FAILED, error=error)
 
 
@@ -696,3 +699,77 @@ def soak_due(step_run: StepRun, deadline: Deadline) -> None:
             return
         if wave_gate_ask(run=run, rollout=rollout):
             fanout_decide(run=run, index=index)
+
+
+# Rollouts one reconcile pass looks at per kind: the next pass takes the rest.
+ROLLOUTS_SWEPT = 500
+
+
+def soaks_overdue(*, before) -> int:
+    """Soaking rollouts whose soak ended before `before` (or that have no end) and whose
+    `soak` deadline was lost (a Redis restart): the monitor's reconcile pass asks, the
+    database being the authority, and sets the deadline again, due now. Its handler
+    (`soak_due`) decides under the run's row lock, and only while the rollout still soaks at
+    that wave, so a late deadline and the sweep never both decide. Returns how many."""
+    soaking = (
+        Rollout.objects.filter(state=RolloutState.SOAKING, run__status=RunStatus.RUNNING)
+        .filter(Q(soak_until__lt=before) | Q(soak_until=None))
+        .values_list("run_id", "index", "wave")[:ROLLOUTS_SWEPT]
+    )
+    now, due = timezone.now(), {}
+    for run_id, index, wave in soaking:
+        # The member names the next wave's first row, as `_wave_end` set it.
+        anchor = (
+            StepRun.objects.filter(run_id=run_id, phase=Phase.FORWARD, index=index, wave=wave + 1)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+            .first()
+        )
+        if anchor is not None:
+            due[Deadline("soak", anchor, 0)] = now
+    deadlines_set(due)
+    return len(due)
+
+
+def gates_unanswered(*, before) -> int:
+    """Rollouts awaiting their webhook since before `before` (the gate's timeout and a sweep
+    interval ago): its task was lost (a broker away, a Redis restart), as an answer or a
+    refusal would have moved the rollout on by now. Ask the webhook again, under the run's
+    row lock (an answer, an operator or another pass that decided first wins). Returns how
+    many were asked again."""
+    waiting = Rollout.objects.filter(
+        state=RolloutState.AWAITING_WEBHOOK, updated_at__lt=before, run__status=RunStatus.RUNNING
+    ).values_list("pk", flat=True)[:ROLLOUTS_SWEPT]
+    asked = 0
+    for pk in waiting:
+        with transaction.atomic():
+            rollout = Rollout.objects.select_related("run").filter(pk=pk).first()
+            if rollout is None:
+                continue
+            run = (
+                JobRun.objects.select_for_update()
+                .filter(pk=rollout.run_id, status=RunStatus.RUNNING, cursor=rollout.index)
+                .first()
+            )
+            rollout.refresh_from_db()
+            if run is None or rollout.state != RolloutState.AWAITING_WEBHOOK or rollout.updated_at >= before:
+                continue
+            asked_at = rollout.updated_at.isoformat(timespec="seconds")
+            rollout.save(update_fields=["updated_at"])
+            wave = rollout.waves[rollout.wave]
+            event_record(
+                "rollout.gate_asked_again",
+                run=run,
+                message=(
+                    f"{wave_name(rollout.wave, rollout.waves)}: its webhook gate, asked at {asked_at}, "
+                    f"never answered: asking {wave['webhook_url']} again"
+                ),
+                index=rollout.index,
+                by="auto",
+            )
+            kwargs = {"run_id": str(run.pk), "index": rollout.index, "wave": rollout.wave}
+            transaction.on_commit(
+                lambda kwargs=kwargs: current_app.signature(WAVE_GATE_TASK, kwargs=kwargs).apply_async()
+            )
+            asked += 1
+    return asked

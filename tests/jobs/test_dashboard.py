@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
@@ -16,7 +17,7 @@ from django.utils import timezone
 from devices.locks import device_lock_acquire, device_lock_states, lock_epoch_start
 from devices.models import Device
 from devtools.simulator import DeviceBehaviour
-from jobs.models import JobRun, RunStatus, StepRun, StepStatus
+from jobs.models import JobRun, Rollout, RunStatus, StepRun, StepStatus
 from jobs.services import run_start, template_plan
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobStepFactory, JobTemplateFactory, template_with_steps
@@ -307,3 +308,73 @@ def test_the_dashboard_reads_a_fixed_number_of_queries(client, boss, django_asse
     assert many == few
     with django_assert_max_num_queries(16):
         client.get("/admin/?label=site")
+
+
+def waved_run(state: str, **rollout) -> JobRun:
+    """A running fan-out in waves (2 devices of 4 done, 2 pending) whose rollout is in `state`."""
+    label = f"w-{uuid.uuid4().hex[:6]}"
+    devices = [DeviceFactory(labels={"site": label}) for _ in range(4)]
+    waves = [{"count": 2, "gate": "approval"}, {"rest": True}]
+    step = JobStepFactory(device=None, labels={"site": label}, action="x", waves=waves, rollout_per_minute=1)
+    run = JobRun.objects.create(
+        template=step.template, plan=template_plan(step.template), status=RunStatus.RUNNING
+    )
+    for i, device in enumerate(devices):
+        done = i < 2
+        StepRun.objects.create(
+            run=run,
+            index=0,
+            device=device,
+            action="x",
+            wave=0 if done else 1,
+            status=StepStatus.SUCCEEDED if done else StepStatus.PENDING,
+        )
+    sizes = [{"size": 2, "gate": "approval"}, {"size": 2}]
+    Rollout.objects.create(run=run, index=0, waves=sizes, wave_checked=True, state=state, **rollout)
+    return run
+
+
+def rollout_block(page: str, run: JobRun) -> str:
+    panel = section(page, "dash-rollouts")
+    block = panel[panel.index(f'data-run="{run.pk}"') :]
+    return block[: block.index("</p>", block.index("iq-rollout-pace"))]
+
+
+@pytest.mark.django_db
+def test_a_rollout_paused_or_at_a_gate_shows_its_state_instead_of_an_eta(client, boss):
+    # given rollouts in waves paused by an operator, at an approval gate, asking the webhook
+    # and soaking, and one that runs
+    paused = waved_run("paused", decided_by="ops", reason="change freeze")
+    approval = waved_run("awaiting_approval")
+    webhook = waved_run("awaiting_webhook")
+    soaking = waved_run("soaking", soak_until=timezone.now() + timedelta(minutes=10))
+    running = waved_run("running")
+
+    page = client.get("/admin/dashboard/").text
+
+    # then each halted one says why it starts no device, with no ETA; the running one has its ETA
+    expected = {
+        paused: "Paused by ops: change freeze",
+        approval: "Awaiting approval of wave 2 of 2.",
+        webhook: "Awaiting the webhook&#x27;s answer for wave 2 of 2.",
+        soaking: "then its gate decides whether wave 2 of 2 opens.",
+    }
+    for run, text in expected.items():
+        block = rollout_block(page, run)
+        assert text in block, block
+        assert "All devices started in about" not in block
+    assert "All devices started in about" in rollout_block(page, running)
+
+
+@pytest.mark.django_db
+def test_rollouts_in_waves_take_a_fixed_number_of_queries(client, boss):
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get("/admin/dashboard/").status_code == 200
+        return len(captured)
+
+    waved_run("paused", decided_by="ops")
+    few = queries()
+    for state in ("awaiting_approval", "soaking", "running", "awaiting_webhook"):
+        waved_run(state)
+    assert queries() == few
