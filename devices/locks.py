@@ -393,15 +393,19 @@ class LockBatch:
         on_grant: dict[str, float] | None = None,
         on_queue: dict[str, float] | None = None,
         slots: Sequence[Slot] = (),
+        on_grant_clear: Sequence[str] = (),
     ) -> int:
         """Acquire; `on_grant` / `on_queue` are {member: score} written, per the outcome, to
-        the device's shard of the sorted set. `slots` (shared concurrency limits) are taken
-        with the lock or not at all: while one is full the holder waits for it (Queued)."""
+        the device's shard of the sorted set, and `on_grant_clear` members removed from it
+        when granted. `slots` (shared concurrency limits) are taken with the lock or not at
+        all: while one is full the holder waits for it (Queued)."""
         op: dict[str, Any] = {"o": "a", "d": device, "h": holder, "p": priority, "l": _ms(lease_seconds)}
         if slots:
             op["sl"] = [[slot.limit, slot.value, slot.most] for slot in slots]
         if on_grant:
             op["g"] = [[score, member] for member, score in on_grant.items()]
+        if on_grant_clear:
+            op["gc"] = list(on_grant_clear)
         if on_queue:
             op["q"] = [[score, member] for member, score in on_queue.items()]
         self.ops.append(op)
@@ -502,7 +506,7 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
         by_shard.setdefault(op["shard"] if op["o"] == "c" else _shard_of(op["d"], count), []).append(index)
     for shard in batch.writes:
         by_shard.setdefault(shard, [])
-    if zset is None and (batch.writes or any("g" in op or "q" in op for op in batch.ops)):
+    if zset is None and (batch.writes or any("g" in op or "q" in op or "gc" in op for op in batch.ops)):
         raise ValueError("a LockBatch with sorted-set writes needs zset")
     # One call per shard on a cluster (one hash slot each), one call for all of them otherwise.
     conn = lock_redis_connection()

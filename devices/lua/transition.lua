@@ -14,7 +14,8 @@
 -- ARGV[1] JSON: {"groups": [{"s": index, "z": index or absent, "ops": [...],
 -- "zadd": [[score, member]], "zrem": [member]}]}; an op is
 --   {"o": "a", "d": device, "k": key index, "h": holder, "p": priority 0..9 (9 most urgent),
---    "l": lease ms, "g": [[score, member]] written when granted, "q": [[score, member]] when not}
+--    "l": lease ms, "g": [[score, member]] written when granted, "q": [[score, member]] when not,
+--    "gc": [member] removed when granted}
 --   {"o": "r", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms for the
 --    next holder, "x": true to release whoever holds it (operator, monitor)}
 --   {"o": "e", "d": device, "k": key index, "h": holder, "f": fence, "l": lease ms}
@@ -64,6 +65,15 @@ local BAND = 1099511627776
 local function zadd_all(zset, pairs)
   for _, p in ipairs(pairs or {}) do
     redis.call('ZADD', zset, p[1], p[2])
+  end
+end
+
+-- A grant's sorted-set writes: what it adds ("g"), and what it ends ("gc": e.g. the queue
+-- deadline of a row that waited before and asks again).
+local function granted_writes(zset, op)
+  zadd_all(zset, op.g)
+  if op.gc and #op.gc > 0 then
+    redis.call('ZREM', zset, unpack(op.gc))
   end
 end
 
@@ -249,7 +259,7 @@ local function acquire(s, zset, ready, op)
   local lock, fence_key, queue = KEYS[op.k], KEYS[op.k + 1], KEYS[op.k + 2]
   local holder = redis.call('HGET', lock, 'holder')
   if holder == op.h then
-    zadd_all(zset, op.g)
+    granted_writes(zset, op)
     return {2, tonumber(redis.call('HGET', lock, 'fence'))}
   end
   local need = slot_need_note(s, op)
@@ -262,7 +272,7 @@ local function acquire(s, zset, ready, op)
     local fence = redis.call('INCR', fence_key)
     redis.call('HSET', lock, 'holder', op.h, 'fence', fence, 'since', now)
     redis.call('ZADD', KEYS[s], now + op.l, op.d)
-    zadd_all(zset, op.g)
+    granted_writes(zset, op)
     return {1, fence}
   end
   local waiting = 1
@@ -368,7 +378,7 @@ local function preempt(s, zset, ready, op)
   redis.call('ZADD', queue, (9 - op.vp) * BAND, op.v)
   redis.call('HSET', lock, 'holder', op.h, 'fence', fence, 'since', now)
   redis.call('ZADD', KEYS[s], now + op.l, op.d)
-  zadd_all(zset, op.g)
+  granted_writes(zset, op)
   return {3, fence}
 end
 -- --- end of urgent preemption -----------------------------------------------------------

@@ -777,6 +777,9 @@ def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:
         return
     queued = {Deadline.of("queue", row): row.deadline} if row.deadline is not None else {}
     queue = {d.member: deadline_score(when) for d, when in queued.items()}
+    # A row that waited before (asking again: a lock rebuild, its device back online) may
+    # have a queue deadline: a grant ends it.
+    waited = [Deadline.of("queue", row).member] if not written else []
     if not row.device.reachable:
         plan.zset_add(queued)
         if not plan.quiet:
@@ -794,6 +797,7 @@ def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:
             on_grant=spaced,
             on_queue=queue,
             slots=row_slots(row, plan.limits),
+            on_grant_clear=waited,
         )
         plan.acquires[index] = (row, None)
         return
@@ -806,6 +810,7 @@ def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:
         on_grant={d.member: deadline_score(when) for d, when in attempt.deadlines.items()},
         on_queue=queue,
         slots=row_slots(row, plan.limits),
+        on_grant_clear=waited,
     )
     plan.acquires[index] = (row, attempt)
 

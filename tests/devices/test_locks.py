@@ -19,6 +19,7 @@ from devices.locks import (
     device_lock_acquire,
     device_lock_dequeue,
     device_lock_expired,
+    device_lock_release,
     device_lock_state,
     device_lock_states,
     device_locks_apply,
@@ -102,6 +103,27 @@ def test_a_batch_over_every_shard_applies_each_op_in_order_with_its_writes():
     states = device_lock_states(devices)
     assert all(states[device].holder == "c:1" for device in held)
     assert all(states[device].queue == ["b:2"] for device in free)
+
+
+def test_a_grant_clears_what_it_was_told_to_and_a_wait_keeps_it(device):
+    # given a waiting row's queue deadline in the device's shard of the sorted set, and the
+    # device held by someone else
+    conn = lock_redis_connection()
+    key = zset(lock_shard(device))
+    conn.zadd(key, {f"queue:{device}": 1})
+    other = acquire(device, "a:other")
+    batch = LockBatch()
+    batch.acquire(device, holder="a:row", priority=5, lease_seconds=LEASE, on_grant_clear=[f"queue:{device}"])
+
+    # when the row asks again while the device is busy: it waits, and the deadline stays
+    assert device_locks_apply(batch, zset=zset) == [Queued(1)]
+    assert f"queue:{device}" in conn.zrange(key, 0, -1)
+
+    # and when it asks once the device is free: granted, the deadline is gone
+    device_lock_dequeue(device, holder="a:row")
+    device_lock_release(device, holder="a:other", fence=other.fence)
+    assert device_locks_apply(batch, zset=zset) == [Grant("a:row", other.fence + 1)]
+    assert f"queue:{device}" not in conn.zrange(key, 0, -1)
 
 
 def test_queue_depths_and_expired_leases_are_found_in_every_shard():

@@ -114,12 +114,12 @@ class Locks:
             self.zset.update({m: s for s, m in op.get("q", [])})
             return NotReady()
         if lock.holder == op["h"]:
-            self.zset.update({m: s for s, m in op.get("g", [])})
+            self._granted_writes(op)
             return Grant(op["h"], lock.fence, held=True)
         if lock.holder is None and not lock.queue:
             lock.counter += 1
             lock.holder, lock.fence, lock.lease = op["h"], lock.counter, self.now_ms + op["l"]
-            self.zset.update({m: s for s, m in op.get("g", [])})
+            self._granted_writes(op)
             return Grant(op["h"], lock.fence)
         waiting = op["h"] in [h for _, h in lock.queue]
         if not waiting:
@@ -128,6 +128,11 @@ class Locks:
             lock.queue.sort()
         self.zset.update({m: s for s, m in op.get("q", [])})
         return Queued([h for _, h in lock.queue].index(op["h"]) + 1, waiting=waiting)
+
+    def _granted_writes(self, op: dict) -> None:
+        self.zset.update({m: s for s, m in op.get("g", [])})
+        for member in op.get("gc", []):
+            self.zset.pop(member, None)
 
     def _preempt(self, lock: Lock, op: dict):
         """The urgent acquire ("u"): displace v (under vf) to the head of its band."""
@@ -138,7 +143,7 @@ class Locks:
             [(s, h) for s, h in lock.queue if h != op["h"]] + [((9 - op["vp"]) * BAND, op["v"])]
         )
         lock.holder, lock.fence, lock.lease = op["h"], lock.counter, self.now_ms + op["l"]
-        self.zset.update({m: s for s, m in op.get("g", [])})
+        self._granted_writes(op)
         return Preempted(op["h"], lock.fence, displaced=op["v"])
 
     def _release(self, lock: Lock, op: dict):

@@ -550,3 +550,33 @@ def test_after_redis_lost_the_locks_they_are_rebuilt_from_the_rows_and_fences_ke
     world.replies_apply([("d0", reply("done", first["id"], ok=True))])
     assert world.inbox["d0"][1]["token"] > first["token"]
     assert world.runs[executing.pk].status == RunStatus.SUCCEEDED
+
+
+def test_a_waiting_row_granted_when_it_asks_again_leaves_no_queue_deadline():
+    # Found by this simulation: after Redis lost the locks, a queued row asking again (the
+    # rebuild) was granted at once but kept the queue deadline the rebuild put back, where
+    # one reply at a time it was handed the device (which clears it).
+    # given run A (priority 8) on d1 then d0, and run B (priority 4) holding d0
+    world = World()
+    b = world.run_new([("d0", OnFailure.ABORT, 1)], 4)
+    a = world.run_new([("d1", OnFailure.CONTINUE, 2), ("d0", OnFailure.CONTINUE, 2)], 8)
+    world.start(a.pk)
+    world.start(b.pk)
+    # and Redis lost every lock and deadline
+    world.locks.lost()
+    replies = [
+        ("d1", reply("done", world.inbox["d1"][0]["id"], ok=True)),  # A moves on to d0
+        ("d0", reply("done", world.inbox["d0"][0]["id"], ok=False, error="flash error")),  # B lets go
+    ]
+    twin = copy.deepcopy(world)
+    before = len(world.events)
+
+    # when both replies are applied as one batch, and (to the twin) one at a time
+    world.replies_apply(replies)
+    for one in replies:
+        twin.replies_apply([one])
+
+    # then both end alike, A's step on d0 dispatched with no queue deadline left
+    assert world_state(world, world.events[before:]) == world_state(twin, twin.events[before:])
+    step = next(row for row in world.rows.values() if row.run_id == a.pk and row.index == 1)
+    assert f"queue:{step.pk}:0" not in world.locks.zset
