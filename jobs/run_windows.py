@@ -19,9 +19,13 @@ from django.utils import timezone
 
 from .deadlines import Deadline, deadlines_set
 from .engine.batch import run_end_by_apply
+from .engine.continuous import fanout_close
 from .engine.kinds import run_deadline
 from .inbox import run_enqueue
 from .models import JobRun, RunStatus
+
+# Who closed a continuous fan-out at its run's end-by (its `step.fanout_closed` event).
+RUN_END_BY = "the run's end-by"
 
 
 def run_window_deadlines(run: JobRun, *, now: datetime) -> dict[Deadline, datetime]:
@@ -50,5 +54,12 @@ def run_start_due(run_id: str) -> None:
 
 @run_deadline("end")
 def run_end_due(run_id: str) -> None:
-    """The `end` deadline: the run's end behaviour decides (planner.run_end_by_plan)."""
-    run_end_by_apply(run_id)
+    """The `end` deadline: the run's end behaviour decides (planner.run_end_by_plan). A run
+    that lets its commands at work finish closes its open continuous fan-out too: no device
+    joins it any more, and it is decided once its rows at work have ended."""
+    if not run_end_by_apply(run_id):
+        return
+    run = JobRun.objects.filter(pk=run_id, status=RunStatus.RUNNING).first()
+    if run is not None and any(step.get("continuous") for step in run.plan):
+        while fanout_close(run=run, by=RUN_END_BY) is not None:
+            pass

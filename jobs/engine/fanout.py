@@ -53,6 +53,7 @@ from ..models import (
 from .batch import rows_start, step_done_apply
 from .kinds import deadline_handler, row_ended, step_kind
 from .plan import FANOUT, args_renderer, fanout_devices, fanout_target
+from .planner import run_ended_by
 from .rollback import compensation_next
 from .start import StepRefused
 from .waves import WAVES_EXPANDED_MAX, wave_aborts, wave_gate, wave_name, wave_verdict, waves_expand
@@ -474,6 +475,8 @@ def fanout_decide(*, run: JobRun, index: int) -> None:
             fanout_abort(run=run, index=index, tripped=tripped, breakdown=breakdown)
             return
     rollout = _rollout(run, index) if spec.get("waves") else None
+    if rollout is not None and run_ended_by(run, timezone.now()):
+        rollout = None  # past an end-by that lets what started finish: no wave opens any more
     if rollout is not None and not _rollout_progress(run=run, index=index, rollout=rollout, rows=rows):
         return
     if rows.filter(status=StepStatus.PENDING).exists():

@@ -11,7 +11,17 @@ from django.utils import timezone
 
 from devices.models import DeviceGroup
 from devtools.simulator import DeviceBehaviour
-from jobs.models import EndBehaviour, JobRun, MaintenanceWindow, RunEvent, RunStatus, StepRun, StepStatus
+from jobs.models import (
+    ContinuousFanout,
+    EndBehaviour,
+    JobRun,
+    MaintenanceWindow,
+    RunEvent,
+    RunStatus,
+    StepRun,
+    StepStatus,
+)
+from jobs.run_windows import RUN_END_BY
 from jobs.services import run_start
 from jobs.waiting import step_waiting
 from tests.conftest import wait_for
@@ -238,3 +248,66 @@ def test_a_command_handed_its_device_in_quiet_hours_hands_it_on_and_waits(stack,
     assert row_of(second).dispatched_at >= ends
     hand.done(later["id"])
     assert wait_for(lambda: finished(second)).status == RunStatus.SUCCEEDED
+
+
+def test_at_a_finishing_end_by_a_continuous_fanout_closes_and_is_decided_when_its_command_ends(
+    stack, manual_device
+):
+    # given a continuous fan-out over one device that does not answer yet, in a run whose
+    # end-by, 2 seconds ahead, lets what started finish
+    label = f"eb-{uuid.uuid4().hex[:6]}"
+    device = DeviceFactory(labels={"kind": label})
+    hand = manual_device(device.name)
+    step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/flash", continuous=True)
+    run, _ = run_start(
+        template=step.template,
+        end_by=timezone.now() + timedelta(seconds=2),
+        end_behaviour=EndBehaviour.FINISH,
+    )
+    first = hand.next_command()
+
+    # when its end-by came: the fan-out closed (no device joins it any more)
+    wait_for(
+        lambda: ContinuousFanout.objects.filter(run=run, closed_by=RUN_END_BY).exists(),
+        what="the fan-out closed at the run's end-by",
+    )
+    DeviceFactory(labels={"kind": label})
+    # and the device's command then ends
+    hand.done(first["id"])
+
+    # then the step is decided over its one device, and the run ends (nothing new started)
+    assert wait_for(lambda: finished(run)).status != RunStatus.RUNNING
+    assert RunEvent.objects.filter(run=run, kind="step.fanout_done").exists()
+    assert StepRun.objects.filter(run=run).count() == 1
+
+
+def test_at_a_finishing_end_by_a_fanout_in_waves_opens_no_wave_and_is_decided(stack, manual_device):
+    # given a fan-out in two waves (the first behind an approval gate) over two devices, in
+    # a run whose end-by, 2 seconds ahead, lets what started finish
+    label = f"ebw-{uuid.uuid4().hex[:6]}"
+    devices = [DeviceFactory(name=f"{label}-{n}", labels={"kind": label}) for n in range(2)]
+    hands = {device.name: manual_device(device.name) for device in devices}
+    step = JobStepFactory(
+        device=None,
+        labels={"kind": label},
+        action="firmware/flash",
+        waves=[{"count": 1, "gate": "approval"}, {"rest": True}],
+    )
+    run, _ = run_start(
+        template=step.template,
+        end_by=timezone.now() + timedelta(seconds=2),
+        end_behaviour=EndBehaviour.FINISH,
+    )
+    first = wait_for(lambda: StepRun.objects.filter(run=run).exclude(status=StepStatus.PENDING).first())
+    command = hands[first.device.name].next_command()
+
+    # when its end-by came (the second wave's device is skipped) and the first command ends
+    wait_for(lambda: RunEvent.objects.filter(run=run, kind="run.ending").exists(), what="run.ending")
+    hands[first.device.name].done(command["id"])
+
+    # then no gate waits for a decision: the step is decided and the run ends
+    assert wait_for(lambda: finished(run)).status != RunStatus.RUNNING
+    assert not RunEvent.objects.filter(run=run, kind="rollout.awaiting_approval").exists()
+    assert StepRun.objects.get(
+        run=run, device=devices[1] if first.device == devices[0] else devices[0]
+    ).status == (StepStatus.SKIPPED)
