@@ -23,6 +23,7 @@ from jobs.cancel import run_cancel
 from jobs.deadlines import Deadline, deadlines_key, deadlines_set
 from jobs.engine import batch as engine_batch
 from jobs.events import EventLog, lifecycle_events
+from jobs.limits import limits_enabled
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from tests.conftest import wait_for
@@ -209,6 +210,7 @@ def test_a_batch_of_one_that_keeps_conflicting_is_raised_for_the_task_to_run_aga
 def test_a_done_that_starts_the_next_step_costs_three_texts_on_postgresql(stack, manual_device):
     # given a step in flight, its run's next step on the same (then free) device
     device, hand, run, first = two_steps_on_one_device(manual_device)
+    limits_enabled()  # as a working process has: it reads the concurrency limits every few seconds
 
     # when its done is applied
     with CaptureQueriesContext(connection) as queries:
