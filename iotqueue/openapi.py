@@ -209,10 +209,10 @@ DEVICES_FROM_SCHEMA = {
 # A fan-out step's waves (jobs/validation.py waves_problem checks the same; jobs/engine/waves.py).
 WAVES_SCHEMA = {
     "type": "array",
-    "maxItems": 20,
-    "description": "The fan-out in ordered waves. Each wave is sized by exactly one of percent, count, "
-    "rest or by_label (one wave per value of that label; rest and by_label only last); devices no wave "
-    "takes form a last wave. When a wave's devices all ended its condition is checked "
+    "description": "The fan-out in ordered waves (at most 20 entries). Each wave is sized by exactly "
+    "one of percent, count, rest or by_label (one wave per value of that label; rest and by_label "
+    "only last); devices no wave takes form a last wave. When a wave's devices all ended its "
+    "condition is checked "
     "(min_succeeded_percent, max_failed_percent); failing, the rollout pauses (on_fail: abort aborts "
     "it); passing, it soaks soak_seconds, then its gate opens the next wave: auto, approval (an "
     "operator approves: POST /api/runs/{id}/rollout/approve/) or webhook (webhook_url is POSTed; "
@@ -243,6 +243,20 @@ STEP_JSON = {
     "waves": WAVES_SCHEMA,
 }
 
+# A time of day as Django's TimeField reads and writes it ("08:00", "21:00:00"), with no
+# offset: JSON Schema's "time" format requires one, which the field neither sends nor takes.
+LOCAL_TIME = {
+    "type": "string",
+    "pattern": r"^([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,6})?)?$",
+    "nullable": True,
+}
+DEVICE_JSON = {
+    "labels": STRING_LABELS,
+    "config": JSON_OBJECT,
+    "quiet_hours_start": LOCAL_TIME,
+    "quiet_hours_end": LOCAL_TIME,
+}
+
 JSON_OBJECT_PROPERTIES = {
     "RunStartRequest": {"parameters": JSON_OBJECT, "for_each": FOR_EACH_SCHEMA},
     "Run": {"parameters": JSON_OBJECT},
@@ -251,9 +265,9 @@ JSON_OBJECT_PROPERTIES = {
     "RunEvent": {"data": JSON_OBJECT},
     "JobStep": STEP_JSON,
     "JobStepRequest": STEP_JSON,
-    "Device": {"labels": STRING_LABELS, "config": JSON_OBJECT},
-    "DeviceRequest": {"labels": STRING_LABELS, "config": JSON_OBJECT},
-    "PatchedDeviceRequest": {"labels": STRING_LABELS, "config": JSON_OBJECT},
+    "Device": DEVICE_JSON,
+    "DeviceRequest": DEVICE_JSON,
+    "PatchedDeviceRequest": DEVICE_JSON,
     "Schedule": {"parameters": JSON_OBJECT},
     "ScheduleRequest": {"parameters": JSON_OBJECT},
     "PatchedScheduleRequest": {"parameters": JSON_OBJECT},

@@ -4,7 +4,7 @@ database (PostgreSQL when DATABASE_URL points at it). Too slow for `make test`, 
 the fast deterministic sample in test_api_schema_fuzz.py; skipped there.
 
 Each run has a seed, printed first; `SCHEMATHESIS_SEED=<seed> make test-api` replays it
-(in the same order of operations with SCHEMATHESIS_WORKERS=1).
+(in the same order of operations: one worker unless SCHEMATHESIS_WORKERS says more).
 The gate: no server error, no answer outside the schema (status, content type, headers,
 body). The other checks' findings are printed with their counts.
 """
@@ -38,7 +38,15 @@ CONFIG = Path(__file__).with_name("schemathesis.toml")
 # Cases per operation and phase: enough to reach every field's edge cases, few enough that
 # the whole run stays within a CI leg's few minutes.
 MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "15"))
-WORKERS = int(os.environ.get("SCHEMATHESIS_WORKERS", "2"))
+# One worker: its threads would race in CPython 3.11's AST construction (INTERPRETER_RACE below).
+WORKERS = int(os.environ.get("SCHEMATHESIS_WORKERS", "1"))
+# CPython 3.11 before 3.11.8 races in building an AST when two threads parse at once
+# (python/cpython#106905); Hypothesis parses source to describe its strategies, and the
+# workers are threads. When it strikes, the engine reports a NonFatalError for one case's
+# generation (no request was made): an interpreter bug, not the API's, so it is listed and
+# skipped; any other engine error still fails the run.
+INTERPRETER_RACE = "AST constructor recursion depth mismatch"
+INTERPRETER_RACE_NOTE = "CPython 3.11 AST race (python/cpython#106905) interrupted a case's generation"
 # A failure of these fails the gate: the server answered 5xx, or outside its own schema.
 GATING_CHECKS = {
     "not_a_server_error",
@@ -65,7 +73,11 @@ def report_read(report: Path) -> tuple[Counter, list[str], bool]:
         ended = ended or "EngineFinished" in event
         for kind in ("NonFatalError", "FatalError"):
             if kind in event:
-                errors.append(f"{kind}: {json.dumps(event[kind])[:500]}")
+                text = json.dumps(event[kind])
+                if kind == "NonFatalError" and INTERPRETER_RACE in text:
+                    print(f"  skipped: {INTERPRETER_RACE_NOTE}: {text[:300]}")
+                    continue
+                errors.append(f"{kind}: {text[:500]}")
         finished = event.get("ScenarioFinished")
         for checks in (finished or {}).get("recorder", {}).get("checks", {}).values():
             for check in checks:
@@ -103,7 +115,6 @@ def test_the_api_answers_within_its_schema_under_exploration(live_server, tmp_pa
             # No examples database: what a seed generates must not depend on earlier runs.
             "--generation-database=none",
             f"--max-examples={MAX_EXAMPLES}",
-            # One per core: the server (this process) and schemathesis share the machine.
             f"--workers={WORKERS}",
             f"--header=Authorization: Token {token}",
             # A network-level failure is the test server's, not the API's: Django's live
