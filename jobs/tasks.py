@@ -22,6 +22,9 @@ from .models import JobRun
 
 log = logging.getLogger(__name__)
 
+# How long a drain whose database or Redis is away keeps retrying (every 0.2 s).
+DRAIN_RETRY_SECONDS = 30.0
+
 
 class EngineTask(Task):
     """A task whose body runs inside its own `Publications` (jobs/engine/publish.py): before
@@ -46,7 +49,11 @@ def run_advance_task(run_id: str) -> None:
     name=inbox.DRAIN_TASK,
     autoretry_for=(DatabaseError, RedisError, batch.BatchRetry),
     default_retry_delay=0.2,
-    max_retries=10,
+    # Retried for about DRAIN_RETRY_SECONDS: longer than a database restart (CI's drill
+    # restarts PostgreSQL for 4 s), so a reply taken just before one is applied when the
+    # database is back, not left pending until this worker's next wake-up (10 retries, 2 s,
+    # once let a step time out while its done waited).
+    max_retries=int(DRAIN_RETRY_SECONDS / 0.2),
 )
 def inbox_drain_task(self, helper: bool = False) -> int:
     """Apply what waits in the engine's inbox (jobs/inbox.py)."""
