@@ -18,8 +18,8 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
     attempts.py  how an attempt ends (`attempt_outcome`) or is extended
                  (`attempt_extension`)
     start.py     starting the step at a run's cursor by kind, for the steps a plan does
-                 not start (kinds.py): its row, which then takes its lock as a plan
-                 (`batch.rows_start`)
+                 not name (kinds.py): its device and args, or why it is refused; its
+                 row is made as a plan (`batch.row_create`)
     publish.py   sending attempts (`attempts_send`): the commands a task published
                  without waiting for the broker, confirmed before it ends (`Publications`)
     dispatch.py  a new attempt's fields and deadlines (`attempt_new`), a command's message,

@@ -85,7 +85,7 @@ from .kinds import PLANNED_DEADLINES, REGISTRY, row_batched, row_ended_handler
 from .plan import RUN_ACTIVE, command_id_step, holder_step_id
 from .preempt import PreemptExecutor, preempt_refusal
 from .runs import run_finish, step_error
-from .start import StepRefused, step_start
+from .start import StepRefused, step_row_inputs, step_start
 
 log = logging.getLogger(__name__)
 
@@ -513,6 +513,49 @@ def _rows_start(step_run_ids: list[int], *, quiet: bool, retries: int = CONFLICT
         _transition(batch, prepare, partial(_rows_start, [rows[0].pk], quiet=quiet, retries=0), "again")
     else:
         _transition(batch, prepare, given_up, "leaving it to the sweep")
+
+
+def step_row_queue(run: JobRun, index: int, *, acquire: bool = True) -> StepRun:
+    """The row of the one-device step (or device-less task step) at `index`, made once as
+    a plan (`row_create`); raises StepRefused (no such device, a reference with no value)."""
+    device, args = step_row_inputs(run, index)
+    new = planner.NewRow(run, index, device, run.plan[index]["action"], args, acquire=acquire)
+    return row_create(new)
+
+
+def row_create(new: planner.NewRow) -> StepRun:
+    """A step's row, made once as a transition (planner.rows_name, as a plan names a run's
+    next row): queued with its `step.queued`, asking for its device's lock when
+    `new.acquire` (dispatched in the same transaction when granted). A redelivered start
+    finds the row it made before instead; still queued, that row asks for its lock again."""
+    row = _row_made(new)
+    if row is None:
+        batch = Executor({})
+        conflicted: list[bool] = []
+        batch.plan.creating.append(new)
+        _transition(batch, lambda: None, lambda: conflicted.append(True), "reading the row made meanwhile")
+        if not conflicted:
+            made = batch.plan.new_rows[0]
+            made.run = new.run
+            return made
+        # Another transition made it first (the unique run, phase, index, device).
+        row = _row_made(new)
+        if row is None:
+            raise BatchRetry(f"the row of step {new.index} of run {new.run.pk} could not be made")
+    if new.acquire and row.status == StepStatus.QUEUED:
+        rows_start([row.pk])
+    return row
+
+
+def _row_made(new: planner.NewRow) -> StepRun | None:
+    row = (
+        StepRun.objects.select_related("device")
+        .filter(run=new.run, phase=new.phase, index=new.index, device=new.device)
+        .first()
+    )
+    if row is not None:
+        row.run = new.run
+    return row
 
 
 # A preemption that keeps finding the device's holder moved is planned again this many times

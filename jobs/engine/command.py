@@ -1,23 +1,19 @@
 """The step kind `command`: one command to one device, the kind most steps are.
 
-A plan (jobs/engine/planner.py) starts a run's next command step itself when the step
-before it ended in the same transition (`rows_name`). When the general path starts one
-(after a fan-out or a rollback decided the run's next step, or the step at a running run's
-cursor is restarted by hand), this is its starter: the queued row, then the device's lock
-as a transition of its own (`batch.rows_start`).
+A plan (jobs/engine/planner.py) names a run's next command step itself (`rows_name`),
+whatever moved the run on. This starter runs when the plan could not (its device missing
+or disabled, a reference with no value: it refuses the step with the reason) and makes
+the row the same way when the refusal no longer holds (`batch.row_create`).
 """
 
 from __future__ import annotations
 
-from ..models import JobRun, StepKind, StepStatus
-from .batch import rows_start
+from ..models import JobRun, StepKind
+from .batch import step_row_queue
 from .kinds import step_kind
-from .start import step_row_start
 
 
 @step_kind(StepKind.COMMAND, batched_start=True, batched_dispatch=True)
 def command_start(run: JobRun, index: int) -> None:
-    """A command step on one device: its queued row, then the device's lock."""
-    step_run = step_row_start(run, index)
-    if step_run.status == StepStatus.QUEUED:
-        rows_start([step_run.pk])
+    """A command step on one device: its queued row asking for the device's lock, one plan."""
+    step_row_queue(run, index)

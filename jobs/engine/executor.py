@@ -157,15 +157,22 @@ class Executor(BatchPublish):
         self.queued = len(self.plan.writes)
 
     def rows_name(self) -> None:
-        """The runs' next rows: their devices read and their ids reserved with the writes
-        planned so far (one round trip on PostgreSQL, every compare-and-set checked before
-        the lock call), then named and asking for their locks."""
+        """The runs' next rows and the rows kinds' starts asked for: their devices read and
+        their ids reserved with the writes planned so far (one round trip on PostgreSQL,
+        every compare-and-set checked before the lock call), then named and asking for
+        their locks."""
         names = planner.rows_wanted(self.plan)
         self._queue_planned()
-        reserve = (StepRun, len(self.plan.naming))
+        creating = [new for new in self.plan.creating if new.device is not None]
+        reserve = (StepRun, len(self.plan.naming) + len(self.plan.creating))
         found, ids = self.writes.send(select=(Device, "name", names, ()), reserve=reserve)
-        self.plan.waits.update(device_flow_waits(found))
-        self.plan.groups.update(window_groups_read((run, name) for run, _spec, name in self.plan.naming))
+        self.plan.waits.update(device_flow_waits([*found, *(new.device for new in creating)]))
+        self.plan.groups.update(
+            window_groups_read(
+                [(run, name) for run, _spec, name in self.plan.naming]
+                + [(new.run, new.device.name) for new in creating]
+            )
+        )
         planner.rows_name(self.plan, {device.name: device for device in found}, ids)
 
     def locks_apply(self) -> None:

@@ -30,8 +30,8 @@ simulation (tests/unit/jobs/test_engine_simulation.py) with an in-memory executo
 | row ended `runs_continue` | its run                           | cursor moved, or the run ended       |
 | a step's outcome decided  | the run                           | the same (`steps_decide`; a fan-out's|
 | elsewhere `steps_decide`  |                                   | summary, a refused start, a delay)   |
-| next rows `rows_name`     | their devices, reserved ids       | row inserted, lock acquire (attempt  |
-|                           |                                   | deadlines written on grant); held by |
+| next rows, rows a kind's  | their devices, reserved ids       | row inserted, lock acquire (attempt  |
+| start asks for `rows_name`|                                   | deadlines written on grant); held by |
 |                           |                                   | its time windows: a `window` deadline|
 | lock `locks_answered`     | the lock call's answers           | attempt dispatched, or `waiting`     |
 | hand-off `handed_plan`    | the rows handed a device          | their dispatch, lease extended       |
@@ -150,6 +150,21 @@ class Later:
     args: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class NewRow:
+    """A row a kind's start asks a plan to make (`batch.row_create`): the step at `index`
+    on `device` (None: a task step with no target), queued, asking for its device's lock
+    when `acquire`."""
+
+    run: JobRun
+    index: int
+    device: Device | None
+    action: str
+    args: dict
+    phase: str = Phase.FORWARD
+    acquire: bool = True
+
+
 @dataclass
 class Plan:
     """What one transition writes, takes and publishes, built stage by stage."""
@@ -169,6 +184,7 @@ class Plan:
     ended: list[tuple[StepRun, Outcome]] = field(default_factory=list)
     starting: list[JobRun] = field(default_factory=list)  # runs whose next row is named
     naming: list[tuple[JobRun, dict, str]] = field(default_factory=list)  # (run, spec, device)
+    creating: list[NewRow] = field(default_factory=list)  # rows a kind's start asked for
     new_rows: list[StepRun] = field(default_factory=list)  # inserted whole at the end
     handed: list[tuple[str, Grant]] = field(default_factory=list)
     dispatches: list[StepRun] = field(default_factory=list)  # published after the commit
@@ -732,10 +748,12 @@ def rows_wanted(plan: Plan) -> set[str]:
 
 
 def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
-    """The runs' next rows, made and named by the reserved `ids`, queued, each asking for
-    its device's lock; a refusal (no such device, a reference with no value) starts the
-    general way (the step fails there with the reason)."""
-    for (run, spec, name), pk in zip(plan.naming, ids, strict=True):
+    """The runs' next rows, then the rows kinds' starts asked for (`plan.creating`), made
+    and named by the reserved `ids`, queued, each asking for its device's lock; a refusal
+    (no such device, a reference with no value) starts the general way (the step fails
+    there with the reason)."""
+    named = len(plan.naming)
+    for (run, spec, name), pk in zip(plan.naming, ids[:named], strict=True):
         device = devices.get(name)
         try:
             args = step_args(run, spec["args"], device) if device is not None else None
@@ -744,19 +762,23 @@ def rows_name(plan: Plan, devices: dict[str, Device], ids: list[int]) -> None:
         if args is None or not device.enabled:
             plan.later_add("enter", run=run, index=run.cursor)
             continue
-        fields = queued_row(
-            run,
-            run.cursor,
-            device=device,
-            action=spec["action"],
-            args=args,
-            phase=Phase.FORWARD,
-            now=plan.now,
-        )
-        row = row_new(StepRun, pk=pk, **fields)
-        plan.new_rows.append(row)
-        plan.events.add("step.queued", step_run=row, message=queued_message(row))
+        row = _row_queued(plan, pk, NewRow(run, run.cursor, device, spec["action"], args))
         row_acquire(plan, row, written=True)
+    for new, pk in zip(plan.creating, ids[named:], strict=True):
+        row = _row_queued(plan, pk, new)
+        if new.acquire:
+            row_acquire(plan, row, written=True)
+
+
+def _row_queued(plan: Plan, pk: int, new: NewRow) -> StepRun:
+    """A new queued row, inserted whole at the end of the transition, and its `step.queued`."""
+    fields = queued_row(
+        new.run, new.index, device=new.device, action=new.action, args=new.args, phase=new.phase, now=plan.now
+    )
+    row = row_new(StepRun, pk=pk, **fields)
+    plan.new_rows.append(row)
+    plan.events.add("step.queued", step_run=row, message=queued_message(row))
+    return row
 
 
 def row_acquire(plan: Plan, row: StepRun, *, written: bool = False) -> None:

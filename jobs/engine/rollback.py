@@ -17,10 +17,10 @@ from django.utils import timezone
 from .. import templating
 from ..events import event_record
 from ..models import JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
-from .batch import rows_start
+from .batch import row_create
 from .kinds import failure_policy, row_ended, spec_behaviour, step_compensation_handler
 from .plan import step_args
-from .start import step_row_create
+from .planner import NewRow
 
 # Step outcomes whose effects a compensation may have to undo.
 UNDOABLE = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT)
@@ -86,16 +86,9 @@ def command_compensate(run: JobRun, index: int) -> bool:
         # e.g. it reads a result the failed step never produced: record, never send garbage
         _compensation_refused(run, forward, spec["compensation_action"], str(exc))
         return False
-    step_run = step_row_create(
-        run=run,
-        index=index,
-        device=forward.device,
-        action=spec["compensation_action"],
-        args=args,
-        phase=Phase.COMPENSATION,
+    step_run = row_create(
+        NewRow(run, index, forward.device, spec["compensation_action"], args, phase=Phase.COMPENSATION)
     )
-    if step_run.status == StepStatus.QUEUED:
-        rows_start([step_run.pk])
     return not step_run.is_terminal
 
 

@@ -25,15 +25,13 @@ from redis.exceptions import RedisError
 
 from devices import protocol
 
-from .. import templating
 from ..events import event_record
 from ..inbox import replies_enqueue
-from ..models import STEP_IN_FLIGHT, JobRun, StepKind, StepRun, StepStatus
+from ..models import STEP_IN_FLIGHT, JobRun, StepKind, StepRun
 from ..tasksteps import step_task_call
-from .batch import rows_start
+from .batch import step_row_queue
 from .kinds import attempt_sender, step_kind
-from .plan import step_args, step_spec
-from .start import StepRefused, step_row_create, step_row_start
+from .plan import step_spec
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +44,9 @@ TIME_LIMIT_GRACE_SECONDS = 10
 
 @step_kind(StepKind.TASK, batched_dispatch=True, extend_refused="a task step's time limit is fixed")
 def task_start(run: JobRun, index: int) -> None:
-    """A task step: its queued row (with a device when it has a target), then the lock."""
-    spec = run.plan[index]
-    if spec.get("device") or spec.get("device_param"):
-        step_run = step_row_start(run, index)
-    else:
-        try:
-            args = step_args(run, spec["args"], None)
-        except templating.TemplateError as exc:
-            raise StepRefused("", str(exc)) from None
-        step_run = step_row_create(run=run, index=index, device=None, action=spec["action"], args=args)
-    if step_run.status == StepStatus.QUEUED:
-        rows_start([step_run.pk])
+    """A task step: its queued row (with a device when it has a target) asking for the
+    device's lock, or dispatched at once without one: one plan."""
+    step_row_queue(run, index)
 
 
 @attempt_sender(StepKind.TASK)

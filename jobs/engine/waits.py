@@ -9,9 +9,8 @@ from django.utils import timezone
 from ..deadlines import Deadline, deadlines_set
 from ..events import event_record
 from ..models import JobRun, Phase, StepKind, StepRun, StepStatus
-from .batch import run_continue
+from .batch import run_continue, step_row_queue
 from .kinds import deadline_handler, row_deadline, row_resume, step_kind
-from .start import step_row_start
 
 
 # A delay holds no device: there is nothing to compensate.
@@ -57,7 +56,7 @@ def delay_due(step_run: StepRun, deadline: Deadline) -> None:
 
 @step_kind(StepKind.WAIT_ONLINE, queue_timeout_error="device {device} did not come online within {seconds}s")
 def wait_online_start(run: JobRun, index: int) -> None:
-    wait_online_check(step_run=step_row_start(run, index))
+    wait_online_check(step_run=step_row_queue(run, index, acquire=False))
 
 
 @row_resume(StepKind.WAIT_ONLINE)

@@ -584,3 +584,36 @@ def test_rows_asking_again_for_their_locks_keep_their_places_when_the_transition
     # then the undo gave back nothing it had not taken: all three still wait in their order
     assert undone
     assert device_lock_state(device.name).queue == places
+
+
+def test_a_row_a_kinds_start_asks_for_is_made_and_dispatched_in_one_transition_and_only_once(
+    stack, manual_device
+):
+    # given a running run whose step at the cursor has no row yet (as when the general path
+    # starts a step: a fan-out or a rollback moved the run on), its device free
+    device = DeviceFactory()
+    hand = manual_device(device.name)
+    later = timezone.now() + timezone.timedelta(hours=1)
+    run, _ = run_start(template=template_with_steps((device, "reboot", {})), not_before=later)
+    JobRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, started_at=timezone.now())
+    run.refresh_from_db()
+
+    # when its kind's start asks for the row twice (a redelivered start)
+    with CaptureQueriesContext(connection) as made:
+        row = engine_batch.step_row_queue(run, 0)
+    again = engine_batch.step_row_queue(run, 0)
+
+    # then the row was inserted already dispatched, in the transaction that took its lock
+    # (one insert, no update of it), and the second ask found the same row
+    # (on PostgreSQL several statements travel in one text: count them in every text)
+    texts = " ".join(q["sql"] for q in made.captured_queries)
+    assert (texts.count('INSERT INTO "jobs_steprun"'), texts.count('UPDATE "jobs_steprun"')) == (1, 0)
+    assert again.pk == row.pk and StepRun.objects.filter(run=run).count() == 1
+    assert StepRun.objects.get(pk=row.pk).status == StepStatus.DISPATCHED
+
+    # and the device got one command, and the run finishes when it answers
+    command = hand.next_command()
+    assert (command["run"], command["step"], command["id"]) == (str(run.pk), 0, row.command_id)
+    assert kinds(run).count("step.queued") == 1 and kinds(run).count("step.dispatched") == 1
+    hand.done(command["id"])
+    wait_for(lambda: JobRun.objects.get(pk=run.pk).status == RunStatus.SUCCEEDED, what="the run to succeed")

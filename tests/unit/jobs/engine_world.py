@@ -240,7 +240,7 @@ class World:
             prepare(plan)
             names = planner.rows_wanted(plan)
             self._write(plan.writes, undo)
-            ids = list(range(self.next_id, self.next_id + len(plan.naming)))
+            ids = list(range(self.next_id, self.next_id + len(plan.naming) + len(plan.creating)))
             planner.rows_name(plan, {n: _copy(self.devices[n]) for n in names}, ids)
             planner.locks_order(plan)
             outcomes = self.locks.apply(plan.locks)
@@ -254,7 +254,7 @@ class World:
                 revert()
             self.locks.restore(snap)
             raise
-        self.next_id += len(plan.naming)
+        self.next_id += len(plan.naming) + len(plan.creating)
         self._commit(plan)
         return plan
 
