@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
@@ -62,3 +63,17 @@ def queued_builder(protocol: str) -> Callable[[MessageBuilder], MessageBuilder]:
         return build
 
     return register
+
+
+def profiles_check() -> None:
+    """Raise ImproperlyConfigured naming every protocol other than iotqueue's own whose
+    command or cancel messages no module declared (jobs/apps.py PROFILE_MODULES)."""
+    missing = [
+        f"{table} {protocol!r}"
+        for protocol in DeviceProtocol.values
+        if protocol != DeviceProtocol.IOTQUEUE
+        for table, builders in (("command_builder", command_builders), ("cancel_builder", cancel_builders))
+        if protocol not in builders
+    ]
+    if missing:
+        raise ImproperlyConfigured("device protocols without their messages: " + ", ".join(missing))

@@ -43,7 +43,7 @@ class JobsConfig(AppConfig):
             beat,
             canvas,
             gauges,
-            limits,  # noqa: F401 (its signals: a limit saved is read again at once)
+            limits,
             metrics,
             replies,
             step_locks,
@@ -54,6 +54,7 @@ class JobsConfig(AppConfig):
 
         # Before anything can start a step: a kind declared twice or not at all stops the app.
         kinds_load()
+        limits.limits_signals_connect()
 
         # The device lock starts, reclaims and rebuilds "step:" holders through these.
         grant_handler_register(HOLDER_KIND, step_handoff)
@@ -83,12 +84,22 @@ class JobsConfig(AppConfig):
         beat.beat_entries_register(current_app)
 
 
+# The modules that declare a device protocol's messages with devices/profiles.py's
+# decorators; `aws_jobs_register` imports them, then checks every protocol has its builders.
+PROFILE_MODULES = ("jobs.aws_executions",)
+
+
 def aws_jobs_register(handler_register) -> None:
     """The AWS IoT Jobs device profile: its requests reach jobs/aws_requests.py through the
-    bridge, and importing jobs/aws_executions.py registers its messages (devices/profiles.py)."""
+    bridge, and its messages are built where PROFILE_MODULES declare them (devices/profiles.py)."""
     from devices import aws_jobs
+    from devices.profiles import profiles_check
 
-    from . import aws_executions, aws_requests  # noqa: F401 (aws_executions: its builders)
+    from . import aws_requests
+
+    for module in PROFILE_MODULES:
+        import_module(module)
+    profiles_check()
 
     for topic_filter in aws_jobs.request_filters():
         # Outside the shared group: Mosquitto (2.0.11 here) delivers no $-topic to a $share/

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 
 from django.db.models.signals import post_delete, post_save
-from django.dispatch import receiver
 from django.utils.translation import gettext as _
 
 from devices.locks import Slot
@@ -76,8 +75,12 @@ def limits_enabled() -> list[Limit]:
     return limits
 
 
-@receiver(post_save, sender=ConcurrencyLimit)
-@receiver(post_delete, sender=ConcurrencyLimit)
+def limits_signals_connect() -> None:
+    """A limit saved or deleted is read again at once in this process (jobs/apps.py)."""
+    post_save.connect(limits_forget, sender=ConcurrencyLimit, dispatch_uid="jobs.limits.saved")
+    post_delete.connect(limits_forget, sender=ConcurrencyLimit, dispatch_uid="jobs.limits.deleted")
+
+
 def limits_forget(**kwargs) -> None:
     """A limit changed: this process reads them again at its next command."""
     global _cached
