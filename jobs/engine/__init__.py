@@ -10,8 +10,11 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
                  flight (the command canceled and its row queued again), as a plan
     executor.py  carrying a plan out: its writes, the lock call, the commit, the undo
     planner.py   what such a batch decides (run starts, every reply, due deadlines,
-                 cancels, rows taking their locks, hand-offs), as a plan of writes,
-                 lock operations, deadlines and commands; no I/O
+                 cancels, runs moving on), as a plan (effects.py) of writes, lock
+                 operations, deadlines and commands; no I/O
+    planner_locks.py  the plan's next rows, their lock call's order and answers, and
+                 the hand-offs; no I/O
+    effects.py   the plan itself: what one transition writes, takes and publishes
     progress.py  what a step row keeps of an ack or progress, and which are events
     runs.py      how a step's final outcome decides its run (`run_next`, which the planner
                  asks), and ending a run

@@ -24,7 +24,8 @@ for new runs to start, and a worker takes what has gathered in the inbox
    transition or, with the inbox's acknowledgement, by its caller (jobs/inbox.py); then
    the events are logged and the lifecycle ones sent out (`EventLog.committed`).
 
-The decisions of stages 1 to 4 are planner.py's (they build a `Plan`, without I/O);
+The decisions of stages 1 to 4 are planner.py's and planner_locks.py's (they build a
+`Plan`, effects.py, without I/O);
 `Executor` (executor.py) carries the plan out (the reads between the stages, the writes,
 the lock calls, the commit) and publishes (stage 5, batch_publish.py). Due `ack`, `done` and `retry`
 deadlines are applied the same way (`deadlines_apply`).
@@ -77,7 +78,7 @@ from ..events import event_record
 from ..inbox import Work
 from ..models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
 from ..rows import rows_select
-from . import planner
+from . import effects, planner, planner_locks
 from .batch_publish import LastWrites
 from .executor import BatchConflict, BatchRetry, Executor, safely, transition
 from .holds import window_groups_read
@@ -435,7 +436,7 @@ def _policy(*, run: JobRun, policy: str, error: str) -> None:
 def handoffs_apply(handed: list[tuple[str, Grant]], *, retries: int = CONFLICT_RETRIES) -> None:
     """Dispatch the queued rows that were handed their device's lock outside a transition
     (a lock passed on by the general path, a lease expiry, a force-release) or that hold
-    it already (a lost hand-off), as one transition: planner.handed_plan, as for the
+    it already (a lost hand-off), as one transition: planner_locks.handed_plan, as for the
     devices a transition's releases hand on. A row that moved meanwhile is planned again
     from a fresh read, where its lock is passed on."""
     batch = Executor({})
@@ -498,7 +499,7 @@ def _rows_start(step_run_ids: list[int], *, quiet: bool, retries: int = CONFLICT
 
     def prepare() -> None:
         for row in rows:
-            planner.row_acquire(batch.plan, row)
+            planner_locks.row_acquire(batch.plan, row)
 
     def one_at_a_time() -> None:
         for row in rows:
@@ -519,12 +520,12 @@ def step_row_queue(run: JobRun, index: int, *, acquire: bool = True) -> StepRun:
     """The row of the one-device step (or device-less task step) at `index`, made once as
     a plan (`row_create`); raises StepRefused (no such device, a reference with no value)."""
     device, args = step_row_inputs(run, index)
-    new = planner.NewRow(run, index, device, run.plan[index]["action"], args, acquire=acquire)
+    new = effects.NewRow(run, index, device, run.plan[index]["action"], args, acquire=acquire)
     return row_create(new)
 
 
-def row_create(new: planner.NewRow) -> StepRun:
-    """A step's row, made once as a transition (planner.rows_name, as a plan names a run's
+def row_create(new: effects.NewRow) -> StepRun:
+    """A step's row, made once as a transition (planner_locks.rows_name, as a plan names a run's
     next row): queued with its `step.queued`, asking for its device's lock when
     `new.acquire` (dispatched in the same transaction when granted). A redelivered start
     finds the row it made before instead; still queued, that row asks for its lock again."""
@@ -547,7 +548,7 @@ def row_create(new: planner.NewRow) -> StepRun:
     return row
 
 
-def _row_made(new: planner.NewRow) -> StepRun | None:
+def _row_made(new: effects.NewRow) -> StepRun | None:
     row = (
         StepRun.objects.select_related("device")
         .filter(run=new.run, phase=new.phase, index=new.index, device=new.device)
@@ -599,7 +600,7 @@ def run_begin(*, run_id: str) -> None:
     transition_apply(starts=[run_id])
 
 
-# What a plan's `Later` entries run after the commit (planner.Later.what -> the function).
+# What a plan's `Later` entries run after the commit (effects.Later.what -> the function).
 LATER_WORK: dict[str, Callable[..., None]] = {
     "continue": run_continue,
     "enter": run_step_enter,

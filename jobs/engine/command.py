@@ -1,6 +1,6 @@
 """The step kind `command`: one command to one device, the kind most steps are.
 
-A plan (jobs/engine/planner.py) names a run's next command step itself (`rows_name`),
+A plan (jobs/engine/planner_locks.py) names a run's next command step itself (`rows_name`),
 whatever moved the run on. This starter runs when the plan could not (its device missing
 or disabled, a reference with no value: it refuses the step with the reason) and makes
 the row the same way when the refusal no longer holds (`batch.row_create`).

@@ -30,12 +30,12 @@ from ..deadlines import deadlines_key
 from ..limits import limits_enabled
 from ..models import StepRun
 from ..rows import Writes, rows_atomic, rows_select
-from . import planner
+from . import planner_locks
 from .batch_publish import BatchPublish, LastWrites
 from .dispatch import cancel_command_send, queued_notice_send
+from .effects import Plan, RowWrite
 from .holds import window_groups_read
 from .plan import step_holder
-from .planner import Plan, RowWrite
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Executor(BatchPublish):
         their ids reserved with the writes planned so far (one round trip on PostgreSQL,
         every compare-and-set checked before the lock call), then named and asking for
         their locks."""
-        names = planner.rows_wanted(self.plan)
+        names = planner_locks.rows_wanted(self.plan)
         self._queue_planned()
         creating = [new for new in self.plan.creating if new.device is not None]
         reserve = (StepRun, len(self.plan.naming) + len(self.plan.creating))
@@ -173,13 +173,13 @@ class Executor(BatchPublish):
                 + [(new.run, new.device.name) for new in creating]
             )
         )
-        planner.rows_name(self.plan, {device.name: device for device in found}, ids)
+        planner_locks.rows_name(self.plan, {device.name: device for device in found}, ids)
 
     def locks_apply(self) -> None:
         """The one lock call: releases hand devices on, new rows acquire, deadlines written."""
-        planner.locks_order(self.plan)
+        planner_locks.locks_order(self.plan)
         self.outcomes = device_locks_apply(self.plan.locks, zset=deadlines_key)
-        planner.locks_answered(self.plan, self.outcomes)
+        planner_locks.locks_answered(self.plan, self.outcomes)
         # Slots the releases freed (shared concurrency limits) handed other devices on:
         # dispatched in this transaction like the releases' own hand-offs.
         self.plan.handed.extend(self.plan.locks.handed)
@@ -187,7 +187,7 @@ class Executor(BatchPublish):
     def handed_dispatch(self) -> None:
         """Dispatch, in this transaction, the queued rows the releases handed a device to:
         read, planned, and their deadlines and full lease written in one more lock call."""
-        ids = planner.handed_ids(self.plan)
+        ids = planner_locks.handed_ids(self.plan)
         # (The batch's own new rows handed a device are not in the database yet: the plan
         # has them.)
         rows = {s.pk: s for s in rows_select(StepRun, "id", ids, related=("run", "device"))}
@@ -195,7 +195,7 @@ class Executor(BatchPublish):
         self.plan.groups.update(
             window_groups_read((r.run, r.device.name) for r in rows.values() if r.device_id)
         )
-        writes = planner.handed_plan(self.plan, rows)
+        writes = planner_locks.handed_plan(self.plan, rows)
         if writes.ops or writes.writes:
             device_locks_apply(writes, zset=deadlines_key)
             # Devices these writes' releases handed on through freed slots: started after the commit.
@@ -208,7 +208,7 @@ class Executor(BatchPublish):
         handed row's compare-and-set is in it: `Writes.send(last=True)`)."""
         self._queue_planned()
         self.writes.insert(StepRun, self.plan.new_rows)
-        self._queue(planner.dispatches_writes(self.plan))
+        self._queue(planner_locks.dispatches_writes(self.plan))
         self.events.sampled_decide()
         self.events.insert(writes=self.writes)
         try:

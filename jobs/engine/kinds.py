@@ -52,7 +52,7 @@ class StepKindBehaviour:
     except where batching is concerned (a kind opts in)."""
 
     start: StepStarter
-    # A plan names the step's row itself when the run moves on to it (planner.rows_name);
+    # A plan names the step's row itself when the run moves on to it (planner_locks.rows_name);
     # other kinds start the general way (`start`), their rows made as a plan too.
     batched_start: bool = False
     # A plan may dispatch the kind's rows when they have their lock (or need none), and

@@ -144,7 +144,7 @@ def queued_row(
     run: JobRun, index: int, *, device: Device | None, action: str, args: dict, phase: str, now: datetime
 ) -> dict[str, Any]:
     """The fields of a step's new `queued` row, with its queue deadline. A plan's rows
-    (jobs/engine/planner.py `rows_name`, for a run's next step and for the rows kinds'
+    (jobs/engine/planner_locks.py `rows_name`, for a run's next step and for the rows kinds'
     starts ask for: jobs/engine/batch.py `row_create`) are made from them."""
     return {
         "run": run,

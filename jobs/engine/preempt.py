@@ -36,10 +36,10 @@ from devices.locks import Preempted, device_lock_preempt
 from ..deadlines import KINDS, Deadline, deadline_score
 from ..models import STEP_IN_FLIGHT, Phase, StepRun, StepStatus
 from .dispatch import attempt_new
+from .effects import Plan
 from .executor import BatchConflict, Executor
 from .kinds import row_commanded, row_ended_handler
 from .plan import RUN_ACTIVE, lease_seconds, step_holder, step_preempts, step_spec
-from .planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def preempt_refusal(row: StepRun, victim: StepRun | None, fence: int | None) -> 
 def preempt_plan(plan: Plan, row: StepRun, victim: StepRun, fence: int) -> int:
     """Plan `row` taking its device from `victim` (in flight under `fence`): the victim's
     row back in the queue with a `cancel` for its command, the lock taken in one call, the
-    urgent row dispatched on grant (planner.locks_answered), events on both runs. Returns
+    urgent row dispatched on grant (planner_locks.locks_answered), events on both runs. Returns
     the lock operation's index (its outcome must be Preempted: `PreemptExecutor`)."""
     device = row.device.name
     spec = step_spec(victim)

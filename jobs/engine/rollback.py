@@ -18,9 +18,9 @@ from .. import templating
 from ..events import event_record
 from ..models import JobRun, OnFailure, Phase, RunStatus, StepRun, StepStatus
 from .batch import row_create
+from .effects import NewRow
 from .kinds import failure_policy, row_ended, spec_behaviour, step_compensation_handler
 from .plan import step_args
-from .planner import NewRow
 
 # Step outcomes whose effects a compensation may have to undo.
 UNDOABLE = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.TIMED_OUT)

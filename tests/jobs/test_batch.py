@@ -578,7 +578,7 @@ def test_rows_asking_again_for_their_locks_keep_their_places_when_the_transition
         undone.append(1)
         raise engine_batch.BatchConflict("a row moved meanwhile (injected)")
 
-    monkeypatch.setattr(engine_batch.planner, "dispatches_writes", moved_after_the_lock_call)
+    monkeypatch.setattr(engine_batch.planner_locks, "dispatches_writes", moved_after_the_lock_call)
     engine_batch.rows_start([waiting[1].pk, waiting[2].pk], quiet=True)
 
     # then the undo gave back nothing it had not taken: all three still wait in their order

@@ -18,7 +18,7 @@ from devices.lock_recovery import LEASE_CLAIM_SECONDS
 from devices.locks import Grant, LockBatch, NotReady, Preempted, Queued
 from devices.models import Device
 from jobs.deadlines import Deadline
-from jobs.engine import planner
+from jobs.engine import effects, planner, planner_locks
 from jobs.engine.kinds import PLANNED_DEADLINES
 from jobs.engine.plan import holder_step_id, lease_seconds, step_holder, step_spec
 from jobs.models import STEP_IN_FLIGHT, JobRun, Phase, RunStatus, StepRun, StepStatus
@@ -227,28 +227,28 @@ class World:
 
     # --- the executor (jobs/engine/batch.py `_transition`, in memory) ---------------
 
-    def transition(self, prepare, replies=()) -> planner.Plan:
+    def transition(self, prepare, replies=()) -> effects.Plan:
         """Plan with `prepare(plan)` from fresh reads, carry it out, commit, publish. Each
         write is checked and applied in order, as the database would inside the
         transaction; a conflict rolls the writes and the lock calls back. `replies`: those
         the plan answers (to tell an attempt a device ended from one that timed out)."""
         snap, undo = self.locks.snapshot(), []
-        plan = planner.Plan(now=self.now)
+        plan = effects.Plan(now=self.now)
         self.locks.now_ms = _ms(self.now)
         self.answering = {r.command_id for _, r in replies if r.kind == "done"}
         try:
             prepare(plan)
-            names = planner.rows_wanted(plan)
+            names = planner_locks.rows_wanted(plan)
             self._write(plan.writes, undo)
             ids = list(range(self.next_id, self.next_id + len(plan.naming) + len(plan.creating)))
-            planner.rows_name(plan, {n: _copy(self.devices[n]) for n in names}, ids)
-            planner.locks_order(plan)
+            planner_locks.rows_name(plan, {n: _copy(self.devices[n]) for n in names}, ids)
+            planner_locks.locks_order(plan)
             outcomes = self.locks.apply(plan.locks)
-            planner.locks_answered(plan, outcomes)
-            handed = {pk: self.row_read(pk) for pk in planner.handed_ids(plan) if pk in self.rows}
-            self.locks.apply(planner.handed_plan(plan, handed))
+            planner_locks.locks_answered(plan, outcomes)
+            handed = {pk: self.row_read(pk) for pk in planner_locks.handed_ids(plan) if pk in self.rows}
+            self.locks.apply(planner_locks.handed_plan(plan, handed))
             self._insert(plan.new_rows, undo)
-            self._write(planner.dispatches_writes(plan), undo)
+            self._write(planner_locks.dispatches_writes(plan), undo)
         except Conflict:
             for revert in reversed(undo):
                 revert()
@@ -258,7 +258,7 @@ class World:
         self._commit(plan)
         return plan
 
-    def _write(self, writes: list[planner.RowWrite], undo: list) -> None:
+    def _write(self, writes: list[effects.RowWrite], undo: list) -> None:
         for write in writes:
             store = self.runs if write.model is JobRun else self.rows
             for row in write.rows:
@@ -276,7 +276,7 @@ class World:
                     self.history[row.pk].append(row.status)
                     undo.append(self.history[row.pk].pop)
 
-    def _ended(self, write: planner.RowWrite, stored, row, undo: list) -> None:
+    def _ended(self, write: effects.RowWrite, stored, row, undo: list) -> None:
         """Record an attempt that ends (an END_FIELDS write of an attempt in flight) and a
         run timed out by its max_duration, for the invariants."""
         if write.model is JobRun:
@@ -302,7 +302,7 @@ class World:
             self.history[row.pk] = [row.status]
             undo.append(lambda pk=row.pk: (self.rows.pop(pk), self.history.pop(pk)))
 
-    def _commit(self, plan: planner.Plan) -> None:
+    def _commit(self, plan: effects.Plan) -> None:
         self.events += plan.events.events
         for d, when in plan.run_deadlines.items():
             self.locks.zset[d.member] = int(when.timestamp() * 1000)
@@ -455,7 +455,7 @@ class World:
 
         self.apply(passed_on)
         if row is not None and row.status == StepStatus.QUEUED:
-            self.apply(lambda plan: planner.row_acquire(plan, self.row_read(row.pk)))
+            self.apply(lambda plan: planner_locks.row_acquire(plan, self.row_read(row.pk)))
 
     def locks_rebuild(self) -> None:
         """devices/lock_recovery.py `locks_rebuild` with the jobs app's source and hook
@@ -487,7 +487,7 @@ class World:
                 self.locks.zset[Deadline(kind, pk, r.attempt).member] = _ms(r.deadline)
         queued = sorted((r.queued_at, pk) for pk, r in self.rows.items() if r.status == StepStatus.QUEUED)
         for _, pk in queued:
-            self.apply(lambda plan, pk=pk: planner.row_acquire(plan, self.row_read(pk)))
+            self.apply(lambda plan, pk=pk: planner_locks.row_acquire(plan, self.row_read(pk)))
 
     def presence(self, device: str, online: bool) -> None:
         """A device goes offline or comes back; back, its waiting rows ask for the lock
@@ -503,7 +503,7 @@ class World:
 
         def prepare(plan):
             for pk in waiting:
-                planner.row_acquire(plan, self.row_read(pk))
+                planner_locks.row_acquire(plan, self.row_read(pk))
 
         if waiting:
             self.apply(prepare)

@@ -481,7 +481,7 @@ def test_a_run_past_its_max_duration_times_out_and_hands_its_device_on():
 def test_a_batch_queues_a_run_s_next_step_before_a_later_reply_hands_its_device_on():
     # Found by this simulation: the lock call made every release before any new row asked,
     # so a device went to the waiter already queued where, one reply at a time, the next
-    # step of a higher priority run would have been queued ahead of it (planner.locks_order).
+    # step of a higher priority run would have been queued ahead of it (planner_locks.locks_order).
     # given run A (priority 9) on d1 then d0, run B holding d0, run C (priority 5) waiting for d0
     world = World()
     a = world.run_new([("d1", OnFailure.ABORT, 1), ("d0", OnFailure.ABORT, 1)], 9)

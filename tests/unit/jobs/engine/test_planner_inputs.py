@@ -9,7 +9,7 @@ from datetime import timedelta
 from devices import protocol
 from devices.locks import Grant
 from jobs.deadlines import Deadline
-from jobs.engine import planner
+from jobs.engine import effects, planner, planner_locks
 from jobs.engine.plan import step_holder
 from jobs.models import OnFailure, StepStatus
 
@@ -98,7 +98,7 @@ def test_a_reply_for_an_earlier_attempt_is_stale_for_its_own_device_only():
     row = world.row_read(world.inbox["d0"][0]["pk"])
     earlier = f"{row.pk}-0-cafebabe"  # the id an earlier attempt of this row would carry
 
-    plan = planner.Plan(now=world.now)
+    plan = effects.Plan(now=world.now)
     planner.replies_plan(
         plan,
         {},
@@ -191,7 +191,7 @@ def test_a_due_dispatch_of_a_row_that_does_not_hold_the_lock_changes_nothing():
     row = world.row_read(pk)
     lock = world.locks.devices["d0"]
 
-    plan = planner.Plan(now=world.now)
+    plan = effects.Plan(now=world.now)
     planner.dues_plan(plan, {pk: row}, [Deadline.of("dispatch", row)], {"d0": Grant(lock.holder, lock.fence)})
 
     assert not plan.handed and not plan.writes and not plan.locks.ops
@@ -251,15 +251,15 @@ def test_a_hand_off_to_a_row_not_committed_yet_is_looked_at_again_by_the_hand_of
     # given a release that handed d0 to a step whose row is not readable yet (another
     # transition is still creating it)
     world = World()
-    plan = planner.Plan(now=world.now)
+    plan = effects.Plan(now=world.now)
     plan.handed.append(("d0", Grant("step:77", 4)))
 
     # when the hand-offs are planned (after the plan's own lock call was made)
-    writes = planner.handed_plan(plan, {})
+    writes = planner_locks.handed_plan(plan, {})
 
     # then the dispatch deadline that looks at it again is in the writes the executor
     # applies next, not in the lock call already sent
     retry = Deadline("dispatch", 77, 0, "d0")
-    due = world.now + timedelta(seconds=planner.UNCOMMITTED_ROW_RETRY_SECONDS)
+    due = world.now + timedelta(seconds=planner_locks.UNCOMMITTED_ROW_RETRY_SECONDS)
     assert writes.writes[retry.shard]["zadd"] == {retry.member: int(due.timestamp() * 1000)}
     assert not plan.locks.writes and not plan.later

@@ -6,7 +6,7 @@ import uuid
 
 from django.utils import timezone
 
-from jobs.engine import planner
+from jobs.engine import effects, planner
 from jobs.models import JobRun, OnFailure, RunStatus, StepStatus
 
 
@@ -16,13 +16,13 @@ def run_at(cursor: int, *policies: str, status: str = RunStatus.RUNNING) -> JobR
     return JobRun(id=uuid.uuid4(), plan=plan, cursor=cursor, status=status)
 
 
-def decide(run: JobRun, index: int, *, ok: bool, status: str = StepStatus.SUCCEEDED) -> planner.Plan:
-    plan = planner.Plan(now=timezone.now())
+def decide(run: JobRun, index: int, *, ok: bool, status: str = StepStatus.SUCCEEDED) -> effects.Plan:
+    plan = effects.Plan(now=timezone.now())
     planner.steps_decide(plan, [planner.StepDone(run, index, ok, status, f"step {index}: {status}")])
     return plan
 
 
-def run_writes(plan: planner.Plan) -> list[tuple[list[str], tuple]]:
+def run_writes(plan: effects.Plan) -> list[tuple[list[str], tuple]]:
     return [(w.fields, w.status_in) for w in plan.writes if w.model is JobRun]
 
 
