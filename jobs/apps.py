@@ -10,6 +10,7 @@ KIND_MODULES = (
     "jobs.engine.command",  # command
     "jobs.engine.waits",  # delay, wait_online (and its resume on presence); the `wake` deadline
     "jobs.engine.fanout",  # fan-out and its rows; the `pump` deadline
+    "jobs.engine.fanout_progress",  # a fan-out's rows ending; the `soak` deadline (a wave's soak)
     "jobs.engine.continuous",  # the `fanout_close` deadline (a continuous fan-out's end-by)
     "jobs.engine.taskstep",  # task
     "jobs.engine.rollback",  # the rollback policy and its compensation rows

@@ -34,8 +34,8 @@ from devices.models import Device
 from iotqueue.redis_conn import lock_redis_connection
 
 from .choices import AbortCause, RolloutIncrementOn
-from .engine.fanout import CAUSE_STATUSES, RAMP_MAX_STEPS, RATE_WINDOW, abort_criteria, rollout_rate
 from .engine.plan import spec_is_fanout
+from .engine.rollout_pace import CAUSE_STATUSES, RAMP_MAX_STEPS, RATE_WINDOW, abort_criteria, rollout_rate
 from .models import (
     STEP_AT_WORK,
     STEP_IN_FLIGHT,
@@ -374,7 +374,7 @@ def rollout_eta(
     observed_per_minute: float = 0.0,
 ) -> timedelta | None:
     """How long until the last of `pending` devices is started, by the ramp of
-    jobs/engine/fanout.py: `base` devices a minute, times `factor` after each `every`
+    jobs/engine/rollout_pace.py: `base` devices a minute, times `factor` after each `every`
     counted devices, at most `maximum` (0: none); `counted` so far.
 
     It assumes each device started counts towards the next step-up at once (it succeeds, or

@@ -1,7 +1,7 @@
 """How long a step would take, computed from its plan entry and the devices' queues; no I/O.
 
 A fan-out's finish is replayed pump by pump with the pump's own arithmetic
-(jobs/engine/fanout.py `rollout_pace`, `rollout_room`): a pump runs when a row ends and
+(jobs/engine/rollout_pace.py `rollout_pace`, `rollout_room`): a pump runs when a row ends and
 when the oldest start of the rate's window leaves it, exactly the two occasions the engine
 pumps on. Rows start in device-name order (the order the fan-out writes them in). The
 preview takes the mean of such replays over where the monitor's tick falls
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .choices import WaveGate
-from .engine.fanout import RATE_WINDOW, rollout_counts_notified, rollout_pace, rollout_room
+from .engine.rollout_pace import RATE_WINDOW, rollout_counts_notified, rollout_pace, rollout_room
 
 # A step's duration when no recent succeeded row of its action says better: a command
 # round trip to a device that answers at once takes well under this, and an estimate should

@@ -28,8 +28,8 @@ from iotqueue.redis_conn import redis_connection, redis_key
 from .deadlines import Deadline, deadlines_claim, deadlines_set
 from .engine.batch import inbox_apply, run_continue
 from .engine.continuous import fanouts_overdue_close
-from .engine.fanout import gates_unanswered, soaks_overdue
 from .engine.rollback import compensation_next
+from .engine.wave_gates import gates_unanswered, soaks_overdue
 from .inbox import inbox_reclaim
 from .metrics import MONITOR_ACTIONS
 from .models import (

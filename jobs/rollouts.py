@@ -1,7 +1,7 @@
 """Steering a rollout in waves: pause, resume, approve the next wave, abort; the webhook's answer.
 
 Each action runs under the run's row lock (as the engine's own decisions do, jobs/engine/
-fanout.py), so an operator's click and a wave ending at the same moment are decided one
+fanout_progress.py), so an operator's click and a wave ending at the same moment are decided one
 after the other, never both; each is a RunEvent naming who decided (`by`: a user name,
 "webhook" or "auto").
 """
@@ -12,7 +12,9 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils.translation import gettext as _
 
-from .engine.fanout import fanout_decide, fanout_stop, rollout_pause
+from .engine.fanout import fanout_stop
+from .engine.fanout_progress import fanout_decide
+from .engine.wave_gates import rollout_pause
 from .events import event_record
 from .models import JobRun, Phase, Rollout, RolloutState, RunStatus, StepRun
 

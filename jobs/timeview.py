@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from .engine.fanout import rollout_rate
+from .engine.rollout_pace import rollout_rate
 from .models import STEP_IN_FLIGHT, Phase, StepStatus
 
 # SVG user units; the drawing scales to the width of the page (CSS), so these are
@@ -154,7 +154,7 @@ class TimeView:
 
 @dataclass(frozen=True)
 class Ramp:
-    """A fan-out step's pace, from its plan entry (see jobs/engine/fanout.py)."""
+    """A fan-out step's pace, from its plan entry (see jobs/engine/rollout_pace.py)."""
 
     per_minute: int  # 0: no rate limit
     factor: float = 1.0

@@ -10,7 +10,7 @@ private or metadata address unless IOTQUEUE_WEBHOOK_ALLOWED_NETWORKS allows it),
 connection goes to the address that was checked; redirects are not followed; the wait is
 IOTQUEUE_WAVE_GATE_TIMEOUT_SECONDS at most. A task that is lost (a broker away when the
 wave ended) leaves the rollout awaiting the webhook until the monitor's sweep asks again
-(jobs/engine/fanout.py `gates_unanswered`), or an operator decides.
+(jobs/engine/wave_gates.py `gates_unanswered`), or an operator decides.
 """
 
 from __future__ import annotations

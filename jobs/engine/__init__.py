@@ -34,9 +34,13 @@ Read top to bottom, the modules follow one `done` from the bridge to the next pu
     plan.py      what a step row executes (spec, target, args, ids); no writes
 
 Each kind declares itself with a decorator of kinds.py where it is defined: the command in
-command.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py, a
-registered Celery task as a step in taskstep.py, the `rollback` failure policy and its
-compensation rows in rollback.py; due.py handles the deadline kinds a plan does not.
+command.py, delay and wait_online in waits.py, the group / label fan-out in fanout.py (its
+start, pump and stop) and fanout_progress.py (what a row's end decides), a registered Celery
+task as a step in taskstep.py, the `rollback` failure policy and its compensation rows in
+rollback.py; due.py handles the deadline kinds a plan does not. The fan-out's modules, lowest
+first: rollout_pace.py (its arithmetic, pure), continuous_open.py (a continuous fan-out's
+record), fanout.py, wave_gates.py (a rollout's waves as it runs), fanout_progress.py, then
+continuous.py (joining and closing) and fanout_rollback.py.
 The kind modules sit above batch.py: a row they make takes its lock through it. jobs/apps.py
 imports those modules (`KIND_MODULES`) when the app loads and checks that every kind is
 declared once (`kinds.kinds_check`); importing this package loads nothing.

@@ -1,6 +1,6 @@
 """Continuous fan-outs: devices that come to match an open fan-out join it; closing it.
 
-A fan-out step with `continuous` stays open after it started (jobs/engine/fanout.py
+A fan-out step with `continuous` stays open after it started (jobs/engine/continuous_open.py
 `fanout_open` records a `ContinuousFanout`): a device that comes to match its target while
 it is open — created, relabelled, added to its group, enabled, or back online — gets a row
 of the step, once (the unique (run, phase, index, device) constraint), started by the same
@@ -36,7 +36,8 @@ from .. import templating
 from ..deadlines import FANOUT_CLOSE, Deadline, deadlines_clear
 from ..events import event_record, event_run
 from ..models import ContinuousFanout, JobRun, Phase, Rollout, RunStatus, StepRun, StepStatus
-from .fanout import fanout_progress, fanout_pump
+from .fanout import fanout_pump
+from .fanout_progress import fanout_progress
 from .kinds import run_deadline
 from .plan import step_args
 

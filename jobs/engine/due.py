@@ -3,13 +3,14 @@
 `ack`, `done`, `retry`, `dispatch` and `queue` are planned (jobs/engine/planner.py
 `dues_plan`, applied by `batch.deadlines_apply`: no handler). The other kinds have one
 handler each, declared with `@kinds.deadline_handler` beside what it acts on: `send` here,
-`wake` with the delay step (waits.py), `pump` with the fan-out (fanout.py). A step kind
-may take over every due deadline of its rows (`@kinds.row_deadline`: a delay ends whatever
-found it due). A handler acts only if the step is still where the deadline expected it
-(same attempt, the status the deadline guards): a deadline that fires late, twice, or
-after its step moved on changes nothing. Kinds that name a run (`run`: max_duration) have
-their handler declared by the module that owns the action (`@kinds.run_deadline`,
-jobs/cancel.py), which checks the run likewise.
+`wake` with the delay step (waits.py), `pump` with the fan-out (fanout.py), `soak` with what
+a fan-out row's end decides (fanout_progress.py). A step kind may take over every due
+deadline of its rows (`@kinds.row_deadline`: a delay ends whatever found it due). A handler
+acts only if the step is still where the deadline expected it (same attempt, the status the
+deadline guards): a deadline that fires late, twice, or after its step moved on changes
+nothing. Kinds that name a run (`run`: max_duration) have their handler declared by the
+module that owns the action (`@kinds.run_deadline`, jobs/cancel.py), which checks the run
+likewise.
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ rollout lets them finish: their outcome says whether they are undone). Then ever
 whose row ended `succeeded` gets a compensation row (phase `compensation`, the step's
 index, its device); a device whose row failed, was rejected, timed out, skipped or
 canceled gets none. The rows start `pending` and the fan-out's pump starts them
-(fanout.fanout_pump: the same `pump` deadline, RATE_WINDOW and rollout_room) at the step's
-`compensation_per_minute` (0 = no limit) and `max_in_flight`, through the batched start
-(batch.rows_start), so they queue on the same device locks as any step. When every one
-has ended the step's rollback is over (`step.compensation_done`, with the devices not
-rolled back) and the rollback goes on with the earlier steps.
+(fanout.fanout_pump: the same `pump` deadline, RATE_WINDOW and rollout_room, the last two
+of rollout_pace.py) at the step's `compensation_per_minute` (0 = no limit) and
+`max_in_flight`, through the batched start (batch.rows_start), so they queue on the same
+device locks as any step. When every one has ended the step's rollback is over
+(`step.compensation_done`, with the devices not rolled back) and the rollback goes on with
+the earlier steps.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from django.utils import timezone
 from .. import templating
 from ..events import event_record
 from ..models import STEP_TERMINAL, JobRun, Phase, RunEvent, RunStatus, StepRun, StepStatus
-from .fanout import ACTIVE, _rows, _status_counts, fanout_pump
+from .fanout import ACTIVE, fanout_pump, fanout_rows, rows_by_status
 from .kinds import step_compensation
 from .plan import FANOUT, step_args
 
@@ -42,12 +43,12 @@ def fanout_compensate(run: JobRun, index: int) -> bool:
     with transaction.atomic():
         if not JobRun.objects.select_for_update().filter(pk=run.pk, status=RunStatus.COMPENSATING).exists():
             return True  # the run ended or was canceled meanwhile: nothing more here
-        undo = _rows(run, index, Phase.COMPENSATION)
+        undo = fanout_rows(run, index, Phase.COMPENSATION)
         if not undo.exists():
-            forward = _rows(run, index)
+            forward = fanout_rows(run, index)
             if forward.filter(status__in=ACTIVE).exists():
                 _waiting_record(run, index, forward.filter(status__in=ACTIVE).count())
-                return True  # fanout.fanout_row_ended calls back when the last one ends
+                return True  # fanout_progress.fanout_row_ended calls back when the last one ends
             if not _compensation_rows_create(run, index):
                 return False
         if undo.filter(status=StepStatus.PENDING).exists():
@@ -75,7 +76,8 @@ def _compensation_rows_create(run: JobRun, index: int) -> int:
     args cannot be rendered gets a failed row saying why); how many rows were made."""
     spec = run.plan[index]
     action = spec["compensation_action"]
-    succeeded = _rows(run, index).filter(status=StepStatus.SUCCEEDED).select_related("device").order_by("pk")
+    forward_rows = fanout_rows(run, index)
+    succeeded = forward_rows.filter(status=StepStatus.SUCCEEDED).select_related("device").order_by("pk")
     rows, now = [], timezone.now()
     for forward in succeeded:
         row = StepRun(run=run, index=index, phase=Phase.COMPENSATION, device=forward.device, action=action)
@@ -108,8 +110,8 @@ def _done_record(run: JobRun, index: int) -> None:
     were not rolled back, each with why (recorded once)."""
     if RunEvent.objects.filter(run=run, kind="step.compensation_done", data__index=index).exists():
         return
-    undo = _rows(run, index, Phase.COMPENSATION)
-    by_status: Counter = _status_counts(undo)
+    undo = fanout_rows(run, index, Phase.COMPENSATION)
+    by_status: Counter = rows_by_status(undo)
     failed = list(
         undo.exclude(status=StepStatus.SUCCEEDED)
         .order_by("device__name")

@@ -10,7 +10,7 @@ the wave and a `gate` before the next one (`auto`, `approval`, or `webhook` with
 
 Sizes round up, so a wave is at least one device; a wave that finds no device left is
 dropped, so every wave has a device and every device is in exactly one wave. The engine
-(jobs/engine/fanout.py) keeps where a rollout stands in a `Rollout` row; the operator's
+(jobs/engine/wave_gates.py) keeps where a rollout stands in a `Rollout` row; the operator's
 actions and the webhook's answer are jobs/rollouts.py.
 """
 

@@ -13,7 +13,7 @@ from iotqueue.redis_conn import lock_redis_connection
 from jobs.cancel import run_cancel
 from jobs.cli import run_load, step_lines
 from jobs.deadlines import Deadline, deadline_score, deadlines_key, deadlines_set
-from jobs.engine.fanout import RATE_WINDOW
+from jobs.engine.rollout_pace import RATE_WINDOW
 from jobs.models import JobRun, OnFailure, Phase, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
 from jobs.timeline import run_timeline

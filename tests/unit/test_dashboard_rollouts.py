@@ -1,5 +1,5 @@
 """A rollout on the dashboard (jobs/dashboard.py): the ETA from the ramp of
-jobs/engine/fanout.py, the counts and the abort criteria's margins."""
+jobs/engine/rollout_pace.py, the counts and the abort criteria's margins."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from jobs.dashboard import AbortGauge, rollout_eta, rollout_summary
-from jobs.engine.fanout import rollout_rate
+from jobs.engine.rollout_pace import rollout_rate
 from jobs.models import JobRun
 
 

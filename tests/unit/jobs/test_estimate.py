@@ -3,7 +3,7 @@ engine's rate, ramp and max-in-flight rules, and a step's typical duration."""
 
 import pytest
 
-from jobs.engine.fanout import ramp_pace, rollout_rate
+from jobs.engine.rollout_pace import ramp_pace, rollout_rate
 from jobs.estimate import (
     DEFAULT_STEP_SECONDS,
     TICK_PHASES,

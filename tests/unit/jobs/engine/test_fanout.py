@@ -1,4 +1,4 @@
-"""Fan-out arithmetic (jobs/engine/fanout.py): how many devices start now, when a rollout
+"""Fan-out arithmetic (jobs/engine/rollout_pace.py): how many devices start now, when a rollout
 aborts, when the step succeeds, and how failures are grouped. Pumping rows needs the stack."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from jobs.engine.fanout import (
+from jobs.engine.rollout_pace import (
     abort_criteria,
     abort_criterion_tripped,
     failure_reason,

@@ -1,7 +1,8 @@
 """The pure parts of a rollback: how failed compensations read on the run, a rollback's pace."""
 
-from jobs.engine.fanout import RATE_WINDOW, fanout_pace
+from jobs.engine.fanout import fanout_pace
 from jobs.engine.rollback import FAILURES_NAMED, compensation_failures
+from jobs.engine.rollout_pace import RATE_WINDOW
 from jobs.models import Phase
 
 RAMP = {
