@@ -27,6 +27,10 @@ queue arrival counter and epoch (and the jobs app's deadline set of that shard) 
 shard's hash tag `{<prefix>:<shard>/<shards>}`, so each script call touches one hash slot.
 A LockBatch makes one script call per shard on a cluster (sent together in one pipeline),
 and one call for all its shards on a single Redis: one round trip either way.
+
+An acquire may take slots of shared concurrency limits with the lock (`LockBatch.acquire`
+`slots`); what a slot is, where its keys live and the reads of who holds them are
+devices/lock_slots.py, which this module imports and which never imports it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from redis.commands.core import Script
 from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, TryAgainError
 
 from iotqueue.redis_conn import lock_redis_connection, redis_key
+
+from .lock_slots import Slot, slots_args
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +94,6 @@ class Queued:
 @dataclass(frozen=True)
 class NotReady:
     """Redis lost the lock state (restart); nothing is granted until it is rebuilt."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One slot a command needs beside its device lock: of the shared concurrency limit
-    `limit` for label value `value`, of which at most `most` are held at once."""
-
-    limit: str
-    value: str
-    most: int
 
 
 @dataclass(frozen=True)
@@ -512,7 +508,7 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
     conn = lock_redis_connection()
     cluster = isinstance(conn, RedisCluster)
     calls = [[shard] for shard in by_shard] if cluster else [list(by_shard)]
-    slotted = _slots_args(prefix, batch.ops, cluster=cluster)
+    slotted = slots_args(prefix, batch.ops, cluster=cluster)
     requests = []
     for shards in calls:
         keys: list[str] = []
@@ -559,117 +555,6 @@ def device_locks_apply(batch: LockBatch, *, zset: Callable[[int], str] | None = 
         for i in range(0, len(extra), 3)
     ]
     return [_outcome(op, result) for op, result in zip(batch.ops, results, strict=True)]
-
-
-# --- slots: shared concurrency limits ------------------------------------------------------
-# A limit's slots per label value live beside the locks, under a hash tag of their own
-# (`slot_tag`): a holders sorted set (holder -> since ms) and a waiters sorted set (holder ->
-# priority band, then arrival), and one needs hash for all (holder -> what it needs, read by
-# the script when it hands a device or a slot on). Those keys are outside the device shards'
-# hash slots, so slots are only used on a single Redis: on a Redis Cluster an acquire's
-# slots are left out (logged once) and the limits are not applied.
-
-_slots_cluster_logged = False
-
-
-def slot_tag() -> str:
-    return "{" + f"{settings.IOTQUEUE_REDIS_KEY_PREFIX}:slots" + "}"
-
-
-def slot_keys(limit: str, value: str) -> tuple[str, str]:
-    """The holders and the waiters sorted sets of a limit's label value."""
-    prefix, tag = settings.IOTQUEUE_REDIS_KEY_PREFIX, slot_tag()
-    return f"{prefix}:slot:{tag}:{limit}={value}", f"{prefix}:slotq:{tag}:{limit}={value}"
-
-
-def _slots_args(prefix: str, ops: list[dict], *, cluster: bool) -> dict[int, dict[str, Any]]:
-    """What each acquire, release and dequeue of a batch adds for the slots: the needs hash
-    key ("n"), and for an acquire with slots their keys ("sl") and the arrival counter ("sq")."""
-    global _slots_cluster_logged
-    if cluster:
-        if not _slots_cluster_logged and any("sl" in op for op in ops):
-            log.warning("shared concurrency limits are not applied on a Redis Cluster lock store")
-            _slots_cluster_logged = True
-        return {index: {"sl": []} for index, op in enumerate(ops) if "sl" in op}
-    tag = "{" + f"{prefix}:slots" + "}"
-    needs = f"{prefix}:slot-needs:{tag}"
-    added: dict[int, dict[str, Any]] = {}
-    for index, op in enumerate(ops):
-        if op["o"] in ("r", "q") or (op["o"] == "u" and not op.get("sl")):
-            added[index] = {"n": needs}
-        elif op["o"] in ("a", "u") and op.get("sl"):
-            slots = [
-                [
-                    f"{prefix}:slot:{tag}:{limit}={value}",
-                    f"{prefix}:slotq:{tag}:{limit}={value}",
-                    most,
-                    f"{limit}={value}",
-                ]
-                for limit, value, most in op["sl"]
-            ]
-            added[index] = {"n": needs, "sq": f"{prefix}:slot-seq:{tag}", "sl": slots}
-    return added
-
-
-@dataclass(frozen=True)
-class SlotState:
-    """Who holds a limit's slots for one label value (oldest first) and who waits (in order)."""
-
-    limit: str
-    value: str
-    holders: list[str]
-    waiting: list[str]
-
-
-def slot_states(pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], SlotState]:
-    """The SlotState of each (limit, label value), in one round trip. Reads only."""
-    if not pairs:
-        return {}
-    with lock_redis_connection().pipeline(transaction=False) as pipe:
-        for limit, value in pairs:
-            slot_state_read(limit, value, pipe=pipe)
-        replies = pipe.execute()
-    n = SLOT_STATE_REPLIES
-    return {pair: slot_state_parse(*pair, replies[n * i : n * i + n]) for i, pair in enumerate(pairs)}
-
-
-def slot_counts(limit: str) -> dict[str, tuple[int, int]]:
-    """For each label value of `limit` with slots held or waited for: (held, waiting).
-
-    Finds the keys with SCAN (O(keys in the database): for an admin page, never for the
-    engine's hot path) and counts them in one pipeline."""
-    conn = lock_redis_connection()
-    values: set[str] = set()
-    for head in slot_keys(limit, ""):
-        # The key prefix and the limit's name are data: escape glob characters.
-        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in head) + "*"
-        values |= {key[len(head) :] for key in conn.scan_iter(match=pattern, count=QUEUE_SCAN_BATCH)}
-    if not values:
-        return {}
-    ordered = sorted(values)
-    with conn.pipeline(transaction=False) as pipe:
-        for value in ordered:
-            held, waiting = slot_keys(limit, value)
-            pipe.zcard(held)
-            pipe.zcard(waiting)
-        replies = pipe.execute()
-    return {value: (replies[2 * i], replies[2 * i + 1]) for i, value in enumerate(ordered)}
-
-
-# Replies `slot_state_read` adds to a pipeline.
-SLOT_STATE_REPLIES = 2
-
-
-def slot_state_read(limit: str, value: str, *, pipe: Any) -> None:
-    """Queue the reads of a slot set's state on `pipe` (a pipeline of the lock Redis);
-    `slot_state_parse` reads its SLOT_STATE_REPLIES replies."""
-    holders, waiters = slot_keys(limit, value)
-    pipe.zrange(holders, 0, -1)
-    pipe.zrange(waiters, 0, -1)
-
-
-def slot_state_parse(limit: str, value: str, replies: Sequence[Any]) -> SlotState:
-    return SlotState(limit, value, list(replies[0]), list(replies[1]))
 
 
 def _outcome(op: dict, result: Any) -> Outcome:

@@ -1,5 +1,5 @@
 """Shared concurrency limits: which commands a ConcurrencyLimit applies to, and the slots
-(devices/locks.py `Slot`) a step row asks for with its device's lock.
+(devices/lock_slots.py `Slot`) a step row asks for with its device's lock.
 
 The enabled limits are read once and kept for LIMITS_CACHE_SECONDS (forgotten at once in
 the process that saves or deletes one; other processes see the change within that time),
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from django.db.models.signals import post_delete, post_save
 from django.utils.translation import gettext as _
 
-from devices.locks import Slot
+from devices.lock_slots import Slot
 
 from .models import ConcurrencyLimit, JobTemplate, LimitScope, StepRun
 

@@ -30,16 +30,8 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from devices.locks import (
-    LOCK_STATE_REPLIES,
-    SLOT_STATE_REPLIES,
-    LockState,
-    SlotState,
-    device_lock_state_parse,
-    device_lock_state_read,
-    slot_state_parse,
-    slot_state_read,
-)
+from devices.lock_slots import SLOT_STATE_REPLIES, SlotState, slot_state_parse, slot_state_read
+from devices.locks import LOCK_STATE_REPLIES, LockState, device_lock_state_parse, device_lock_state_read
 from iotqueue.redis_conn import lock_redis_connection
 
 from .deadlines import Deadline, deadlines_key

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.utils.html import format_html_join
 from django.utils.translation import gettext_lazy as _
 
-from devices.locks import slot_counts
+from devices.lock_slots import slot_counts
 
 from ..models import ConcurrencyLimit
 

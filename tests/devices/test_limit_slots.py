@@ -6,18 +6,17 @@ release, including the release that reclaims an expired lease."""
 
 import pytest
 
+from devices.lock_slots import Slot, slot_states
 from devices.locks import (
     Grant,
     LockBatch,
     Queued,
-    Slot,
     device_lock_acquire,
     device_lock_dequeue,
     device_lock_expired,
     device_lock_preempt,
     device_lock_state,
     device_locks_apply,
-    slot_states,
 )
 from tests.conftest import wait_for
 

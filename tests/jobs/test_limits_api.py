@@ -7,7 +7,8 @@ import uuid
 import pytest
 from django.contrib.auth.models import User
 
-from devices.locks import LockBatch, Slot, device_locks_apply, lock_epoch_start
+from devices.lock_slots import Slot
+from devices.locks import LockBatch, device_locks_apply, lock_epoch_start
 from jobs.limits import Limit, limits_applying, limits_forget
 from jobs.models import ConcurrencyLimit
 from jobs.preview import run_preview
