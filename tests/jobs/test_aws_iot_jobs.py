@@ -253,11 +253,25 @@ def test_updates_that_answer_nothing_current_are_refused_with_aws_codes(stack, a
     described = sdk.next("describe/accepted").execution
     assert described.status == "IN_PROGRESS" and described.job_document["action"] == "firmware/update"
 
+    # when it updates an execution still queued behind this one, before starting it
+    behind, _ = run_start(template=template_with_steps((device, "reboot", {})))
+    (queued,) = sdk.next("notify").jobs["QUEUED"]
+    sdk.update(queued.job_id, "SUCCEEDED", client_token="early")
+    # then InvalidStateTransition
+    early = sdk.next("update/rejected")
+    assert early.code == "InvalidStateTransition" and early.client_token == "early"
+
     # then none of that moved the step: it still succeeds
     sdk.update(job.job_id, "SUCCEEDED")
     sdk.next("update/accepted")
     wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded")
     transcript.note("iotqueue", f"run {run.pk} SUCCEEDED: the refused updates moved nothing")
+    # and the queued run's step, untouched by the early update, runs when it is next
+    following = sdk.next("notify-next").execution
+    sdk.start_next()
+    sdk.next("start-next/accepted")
+    sdk.update(following.job_id, "SUCCEEDED")
+    wait_for(lambda: run_status(behind) == RunStatus.SUCCEEDED, what="the queued run succeeded")
 
 
 def test_a_canceled_execution_leaves_the_list_and_its_update_is_refused(stack, aws_device, transcript):
