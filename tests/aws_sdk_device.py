@@ -3,7 +3,7 @@
 It connects the way AWS IoT firmware does, with a client certificate on the broker's mTLS
 listener (`awsiot.mqtt_connection_builder.mtls_from_path`, `connection_open_mtls`): the
 certificate's CN is its identity, whatever username and client id the SDK sends. Where the
-broker has no such listener (the pip broker), it uses awscrt's own MQTT 3.1.1 client
+broker has no such listener (one given by MQTT_URL), it uses awscrt's own MQTT 3.1.1 client
 (`awscrt.mqtt.Connection`) over plain TCP with the device's username and password,
 with `disable_metrics=True`: otherwise awscrt (0.36) appends its metrics
 (`?SDK=...&Metadata=...`) to the username, which is then no device's name and the broker

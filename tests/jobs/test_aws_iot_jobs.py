@@ -1,10 +1,11 @@
 """The AWS IoT Jobs profile against the real stack, driven by the AWS IoT Device SDK v2 for Python.
 
 A device of protocol `aws-iot-jobs` runs `awsiot.iotjobs.IotJobsClient` with a client
-certificate iotqueue issued, on the broker's mTLS listener (or, on the pip broker, which has
-none, over a plain connection), and one test runs the SDK's v2 client with the device's
-username and password (tests/aws_sdk_device.py): the firmware of a fleet written for AWS
-IoT Jobs, unchanged.
+certificate iotqueue issued, on the broker's mTLS listener (or, on a broker given by
+MQTT_URL, which has none of ours, with a password on a plain connection), and one test runs
+the SDK's v2 client with the device's username and password (tests/aws_sdk_device.py): the
+firmware of a fleet written for AWS IoT Jobs, unchanged. Skipped on amqtt, which refuses
+clients' publishing on `$` topics. With -s each test prints its transcript.
 """
 
 import queue
@@ -42,8 +43,8 @@ def _broker_carries_aws_topics(services):
 def sdk_connection(services, device, directory: Path) -> tuple[mqtt.Connection, str]:
     """The SDK's connection for `device`, and how it was made: with a client certificate
     iotqueue issued, on the broker's mTLS listener, where it has one (Mosquitto with
-    identities iotqueue manages); else with its password on the plain listener (the pip
-    broker has no certificate listener, and no identities of iotqueue's: no password either)."""
+    identities iotqueue manages); else with its password on the plain listener (a broker
+    given by MQTT_URL; without identities of iotqueue's, no password either)."""
     tls_url = services.broker.tls_url if services.broker is not None else ""
     if tls_url and managed():
         issued = device_certificate_issue(device)
