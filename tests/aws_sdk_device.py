@@ -3,20 +3,22 @@
 It connects the way AWS IoT firmware does, with a client certificate on the broker's mTLS
 listener (`awsiot.mqtt_connection_builder.mtls_from_path`, `connection_open_mtls`): the
 certificate's CN is its identity, whatever username and client id the SDK sends. Where the
-broker has no such listener (the pip broker), it uses awscrt's own MQTT 3.1.1 client
+broker has no such listener (one given by MQTT_URL), it uses awscrt's own MQTT 3.1.1 client
 (`awscrt.mqtt.Connection`) over plain TCP with the device's username and password,
 with `disable_metrics=True`: otherwise awscrt (0.36) appends its metrics
 (`?SDK=...&Metadata=...`) to the username, which is then no device's name and the broker
 refuses the login (`mqtt_connection_builder` says the same with
 `enable_metrics_collection=False`). Every request goes through
 `awsiot.iotjobs.IotJobsClient`; every answer and notification lands in a queue per topic
-kind, read with a bound.
+kind, read with a bound. A Transcript keeps what the device sent and what the test read back,
+one line each, for a reader of the run (pytest -s prints it after each test).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -70,12 +72,74 @@ def connection_open_mtls(tls_url: str, *, certificate: Path, key: Path, ca: Path
     return connection
 
 
+class Transcript:
+    """What the SDK devices of one test did and saw, a line per request or answer read."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.lines: list[str] = []
+
+    def note(self, who: str, text: str) -> None:
+        self.lines.append(f"{time.monotonic() - self.started:6.2f}s  {who:<14} {text}")
+
+    def text(self, title: str) -> str:
+        return "\n".join([f"--- {title}", *self.lines, ""])
+
+
+def _jobs(summaries) -> str:
+    return "[" + ", ".join(job.job_id for job in summaries or ()) + "]"
+
+
+def _execution(execution) -> str:
+    if execution is None:
+        return "no execution"
+    document = execution.job_document or {}
+    shown = f" document={{action: {document['action']}, args: {document.get('args')}}}" if document else ""
+    return (
+        f"{execution.job_id} {execution.status} executionNumber={execution.execution_number}"
+        f" versionNumber={execution.version_number}{shown}"
+    )
+
+
+def message_summary(kind: str, message) -> str:
+    """One line for an answer or notification as the SDK parsed it (the fields a reader checks)."""
+    if kind.endswith("/rejected"):
+        text = f"code={message.code} ({message.message})"
+    elif kind == "notify":
+        jobs = message.jobs or {}
+        text = " ".join(f"{status}={_jobs(listed)}" for status, listed in jobs.items()) or "nothing pending"
+    elif kind == "get/accepted":
+        text = f"inProgressJobs={_jobs(message.in_progress_jobs)} queuedJobs={_jobs(message.queued_jobs)}"
+    elif kind == "update/accepted":
+        state = message.execution_state
+        text = f"executionState={state.status} versionNumber={state.version_number}" if state else "accepted"
+    else:  # notify-next, start-next/accepted, describe/accepted
+        text = _execution(message.execution)
+    token = getattr(message, "client_token", None)
+    return f"<- {kind}: {text}" + (f" clientToken={token}" if token else "")
+
+
+def _fields(fields: dict[str, Any]) -> str:
+    """Request fields as the JSON carries them (client_token -> clientToken)."""
+    return "".join(f" {_camel(key)}={value}" for key, value in fields.items() if value is not None)
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
+
+
 class SdkDevice:
     """One thing: a connected IotJobsClient subscribed to all its answers and notifications."""
 
-    def __init__(self, name: str, connection: mqtt.Connection) -> None:
+    def __init__(
+        self, name: str, connection: mqtt.Connection, *, transcript: Transcript | None = None, how: str = ""
+    ) -> None:
         self.name = name
         self.connection = connection
+        self.transcript = transcript or Transcript()
+        self.who = name
+        self.note(f"connected {how}".strip())
         self.jobs = iotjobs.IotJobsClient(self.connection)
         self.received: dict[str, queue.Queue[dict[str, Any]]] = {}
         self._subscribe_all()
@@ -116,24 +180,34 @@ class SdkDevice:
             future, _topic = subscribe(request=request, qos=QOS, callback=self._collect(kind))
             granted = future.result(ANSWER_WAIT_SECONDS)
             assert granted == QOS, f"{self.name}: the broker refused the {kind} subscription ({granted})"
+        self.note(f"subscribed to {len(subscriptions)} $aws/things/{self.name}/jobs/... topics, all granted")
+
+    def note(self, text: str) -> None:
+        self.transcript.note(self.who, text)
 
     def next(self, kind: str, timeout: float = ANSWER_WAIT_SECONDS):
         """The next message of `kind` (e.g. "update/rejected"), as the SDK parsed it."""
-        return self.received[kind].get(timeout=timeout)
+        message = self.received[kind].get(timeout=timeout)
+        self.note(message_summary(kind, message))
+        return message
 
     def get_pending(self, token: str = "") -> None:
+        self.note(f"-> get{_fields({'clientToken': token or None})}")
         request = iotjobs.GetPendingJobExecutionsRequest(thing_name=self.name, client_token=token or None)
         self.jobs.publish_get_pending_job_executions(request, QOS).result(ANSWER_WAIT_SECONDS)
 
     def start_next(self, **fields) -> None:
+        self.note(f"-> start-next{_fields(fields)}")
         request = iotjobs.StartNextPendingJobExecutionRequest(thing_name=self.name, **fields)
         self.jobs.publish_start_next_pending_job_execution(request, QOS).result(ANSWER_WAIT_SECONDS)
 
     def describe(self, job_id: str, **fields) -> None:
+        self.note(f"-> {job_id}/get{_fields(fields)}")
         request = iotjobs.DescribeJobExecutionRequest(thing_name=self.name, job_id=job_id, **fields)
         self.jobs.publish_describe_job_execution(request, QOS).result(ANSWER_WAIT_SECONDS)
 
     def update(self, job_id: str, status: str, **fields) -> None:
+        self.note(f"-> {job_id}/update {status}{_fields(fields)}")
         request = iotjobs.UpdateJobExecutionRequest(
             thing_name=self.name, job_id=job_id, status=status, **fields
         )
@@ -142,6 +216,7 @@ class SdkDevice:
     def publish_raw(self, suffix: str, payload: bytes) -> None:
         """Publish bytes the SDK would never send, on $aws/things/<name>/jobs/<suffix>."""
         topic = f"$aws/things/{self.name}/jobs/{suffix}"
+        self.note(f"-> {suffix} (raw) {payload.decode(errors='replace')}")
         future, _ = self.connection.publish(topic, payload, QOS)
         future.result(ANSWER_WAIT_SECONDS)
 

@@ -24,7 +24,11 @@ class NaiveDevice:
         self.base, self.wrong_id = f"{prefix}/{name}", wrong_id
         self.commands: queue.Queue[dict | None] = queue.Queue()
         self.client = mqtt_client(url, username=name if password else None, password=password)
-        self.client.on_message = lambda c, u, m: self.commands.put(json.loads(m.payload))
+        # Only its command topics: amqtt (the pip broker) has been seen to hand a new
+        # subscriber another device's retained status along with its SUBACK.
+        self.client.on_message = lambda c, u, m: (
+            self.commands.put(json.loads(m.payload)) if m.topic.startswith(f"{self.base}/cmd/") else None
+        )
         subscribed = threading.Event()
         self.client.on_subscribe = lambda *args: subscribed.set()
         self.client.subscribe(f"{self.base}/cmd/#", qos=1)

@@ -1,10 +1,12 @@
 """The device agent (iotqueue_device.Agent) on a real MQTT broker, the test playing the server:
 a handler's failure becomes done ok:false, and a command in flight survives a restart through
-the state file and jobs/current, never run twice afterwards."""
+the state file and jobs/current, never run twice afterwards; it beats, and its last will
+says offline when its connection dies."""
 
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -127,3 +129,33 @@ def test_a_command_in_flight_survives_a_restart_and_is_never_run_twice(services,
     assert not [s for s in observer.since(again) if s.id == "c4" and s.kind != "cmd"]
     # and the first agent's abandoned handler sent no done of its own
     assert [s.body for s in observer.log if s.kind == "done" and s.id == "c5"] == [done.body, done.body]
+
+
+def test_an_agent_beats_and_its_last_will_says_offline_when_its_connection_dies(services, device):
+    # given an agent beating every 0.2 s
+    topics, observer = device
+    agent = agent_made(services, topics, heartbeat_seconds=0.2)
+    mark = observer.mark()
+    agent.start()
+    try:
+        assert agent.ready.wait(WAIT_SECONDS)
+        # then it is online (retained) and its heartbeats come, one after another
+        online = observer.wait(lambda s: s.kind == "status" and s.body == "online", WAIT_SECONDS, after=mark)
+        assert online is not None
+        beats = observer.wait(lambda s: s.kind == "heartbeat", WAIT_SECONDS, after=mark)
+        assert beats is not None and "ts" in beats.body
+        assert observer.wait(lambda s: s.kind == "heartbeat", WAIT_SECONDS, after=beats.index + 1) is not None
+
+        # when its connection dies without a DISCONNECT (a network cut, a power loss)
+        cut = observer.mark()
+        agent._client.socket().shutdown(socket.SHUT_RDWR)
+
+        # then the broker publishes its last will, offline, and the agent, back, says online again
+        will = observer.wait(lambda s: s.kind == "status" and s.body == "offline", WAIT_SECONDS, after=cut)
+        assert will is not None
+        back = observer.wait(
+            lambda s: s.kind == "status" and s.body == "online", WAIT_SECONDS, after=will.index + 1
+        )
+        assert back is not None
+    finally:
+        agent.stop()

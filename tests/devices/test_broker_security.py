@@ -24,6 +24,7 @@ from rest_framework.test import APIClient
 from devices import certificates
 from devices.credentials import device_certificate_issue, device_password_issue, identity_remove, managed
 from devices.models import Device
+from devices.profiles import DeviceProtocol
 from iotqueue.dynsec import control
 from iotqueue.mqtt import broker_address
 from jobs.models import RunEvent, StepRun, StepStatus
@@ -389,12 +390,32 @@ def test_a_certificate_device_cannot_log_in_on_the_password_listener_without_a_p
     assert connect_result(device.name, "guess").is_failure
 
 
+def granted_topics(device: Device) -> tuple[list[str], list[str]]:
+    """(subscribe, publish): topics the device's role grants while it is enabled, of its protocol."""
+    subscribe = [topic(device.name, "cmd/#"), topic(device.name, "jobs/current")]
+    publish = [topic(device.name, "heartbeat")]
+    if device.protocol == DeviceProtocol.AWS_IOT_JOBS:
+        subscribe.append(f"$aws/things/{device.name}/jobs/notify-next")
+        publish.append(f"$aws/things/{device.name}/jobs/get")
+    return subscribe, publish
+
+
+def may_do_nothing(client: CertificateClient, subscribe: list[str], publish: list[str]) -> None:
+    """Every subscription refused (SUBACK 0x87: its topics and everything) and every publish
+    refused (PUBACK 0x87): the broker's answers, each awaited."""
+    assert client.subscribe(*subscribe, "#", "$aws/#") == [True] * (len(subscribe) + 2)
+    assert [client.publish_refused(name) for name in publish] == [True] * len(publish)
+
+
 @pytest.mark.django_db
-def test_disabling_a_certificate_device_kicks_it_and_locks_it_out_until_enabled(certificate_device):
-    # given a certificate device connected and subscribed to its commands
-    device = DeviceFactory()
+@pytest.mark.parametrize("protocol", DeviceProtocol.values)
+def test_disabling_a_certificate_device_kicks_it_and_locks_it_out_until_enabled(certificate_device, protocol):
+    # given a certificate device of either protocol, connected and using its own topics
+    device = DeviceFactory(protocol=protocol)
+    subscribe, publish = granted_topics(device)
     client = connected(certificate_device(device))
-    assert client.subscribe(topic(device.name, "cmd/#")) == [False]
+    assert client.subscribe(*subscribe) == [False] * len(subscribe)
+    assert [client.publish_refused(name) for name in publish] == [False] * len(publish)
 
     # when the device is disabled, then the broker drops its connection at once
     device.enabled = False
@@ -402,22 +423,23 @@ def test_disabling_a_certificate_device_kicks_it_and_locks_it_out_until_enabled(
     assert client.next_event()[0] == "disconnect"
     # and a new connection (Mosquitto accepts the certificate itself) may do nothing at all
     connected(client)
-    assert client.subscribe(topic(device.name, "cmd/#")) == [True]
-    assert client.publish_refused(topic(device.name, "heartbeat"))
+    may_do_nothing(client, subscribe, publish)
 
     # when it is enabled again, then the same certificate works again
     device.enabled = True
     device.save()
     client.close()
     connected(client)
-    assert client.subscribe(topic(device.name, "cmd/#")) == [False]
-    assert not client.publish_refused(topic(device.name, "heartbeat"))
+    assert client.subscribe(*subscribe) == [False] * len(subscribe)
+    assert [client.publish_refused(name) for name in publish] == [False] * len(publish)
 
 
 @pytest.mark.django_db
-def test_a_deleted_devices_certificate_is_kicked_and_can_do_nothing_again(certificate_device):
-    # given a certificate device connected
-    device = DeviceFactory()
+@pytest.mark.parametrize("protocol", DeviceProtocol.values)
+def test_a_deleted_devices_certificate_is_kicked_and_can_do_nothing_again(certificate_device, protocol):
+    # given a certificate device of either protocol, connected
+    device = DeviceFactory(protocol=protocol)
+    subscribe, publish = granted_topics(device)
     client = connected(certificate_device(device))
 
     # when the device is deleted, then its connection is dropped at once
@@ -426,9 +448,5 @@ def test_a_deleted_devices_certificate_is_kicked_and_can_do_nothing_again(certif
     # and every new connection with that certificate may neither subscribe nor publish
     for _attempt in range(2):
         connected(client)
-        assert client.subscribe(topic(device.name, "cmd/#"), topic(device.name, "jobs/current")) == [
-            True,
-            True,
-        ]
-        assert client.publish_refused(topic(device.name, "done"))
+        may_do_nothing(client, subscribe, publish)
         client.close()

@@ -1,10 +1,11 @@
 """The AWS IoT Jobs profile against the real stack, driven by the AWS IoT Device SDK v2 for Python.
 
 A device of protocol `aws-iot-jobs` runs `awsiot.iotjobs.IotJobsClient` with a client
-certificate iotqueue issued, on the broker's mTLS listener (or, on the pip broker, which has
-none, over a plain connection), and one test runs the SDK's v2 client with the device's
-username and password (tests/aws_sdk_device.py): the firmware of a fleet written for AWS
-IoT Jobs, unchanged.
+certificate iotqueue issued, on the broker's mTLS listener (or, on a broker given by
+MQTT_URL, which has none of ours, with a password on a plain connection), and one test runs
+the SDK's v2 client with the device's username and password (tests/aws_sdk_device.py): the
+firmware of a fleet written for AWS IoT Jobs, unchanged. Skipped on amqtt, which refuses
+clients' publishing on `$` topics. With -s each test prints its transcript.
 """
 
 import queue
@@ -19,7 +20,7 @@ from devices.profiles import DeviceProtocol
 from jobs.cancel import run_cancel
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
 from jobs.services import run_start
-from tests.aws_sdk_device import SdkDevice, connection_open, connection_open_mtls
+from tests.aws_sdk_device import SdkDevice, Transcript, connection_open, connection_open_mtls
 from tests.conftest import wait_for
 from tests.devices.certificate_client import files_for
 from tests.factories import DeviceFactory, template_with_steps
@@ -30,11 +31,20 @@ QOS0 = mqtt.QoS.AT_MOST_ONCE
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 
-def sdk_connection(services, device, directory: Path):
-    """The SDK's connection for `device`: with a client certificate iotqueue issued, on the
-    broker's mTLS listener, where it has one (Mosquitto with identities iotqueue manages);
-    else with its password on the plain listener (the pip broker has no certificate
-    listener, and no identities of iotqueue's: no password either)."""
+@pytest.fixture(autouse=True)
+def _broker_carries_aws_topics(services):
+    """Skip on amqtt (the pip broker: `make test-pip`, a laptop without Mosquitto): it refuses
+    every client PUBLISH to a topic beginning with `$` and drops the client (its check of
+    MQTT-4.7.2-1), so no `$aws/things/...` request or notification would ever pass."""
+    if services.broker is not None and services.broker.kind.startswith("amqtt"):
+        pytest.skip("amqtt (the pip broker) refuses clients' PUBLISH to $ topics: no $aws/things/... traffic")
+
+
+def sdk_connection(services, device, directory: Path) -> tuple[mqtt.Connection, str]:
+    """The SDK's connection for `device`, and how it was made: with a client certificate
+    iotqueue issued, on the broker's mTLS listener, where it has one (Mosquitto with
+    identities iotqueue manages); else with its password on the plain listener (a broker
+    given by MQTT_URL; without identities of iotqueue's, no password either)."""
     tls_url = services.broker.tls_url if services.broker is not None else ""
     if tls_url and managed():
         issued = device_certificate_issue(device)
@@ -44,20 +54,34 @@ def sdk_connection(services, device, directory: Path):
             key_pem=issued.private_key_pem,
             ca_pem=issued.broker_ca_certificate_pem,
         )
-        return connection_open_mtls(tls_url, certificate=files.certificate, key=files.key, ca=files.ca)
+        connection = connection_open_mtls(tls_url, certificate=files.certificate, key=files.key, ca=files.ca)
+        return connection, f"to {tls_url} with certificate {issued.serial} (CN={device.name}), no password"
     password = device_password_issue(device) if managed() else None
-    return connection_open(device.name, services.mqtt_url, password=password)
+    connection = connection_open(device.name, services.mqtt_url, password=password)
+    return (
+        connection,
+        "with its password on the plain listener" if password else "anonymously (no identities)",
+    )
 
 
 @pytest.fixture
-def aws_device(services, tmp_path):
+def transcript(request):
+    """What the test's SDK devices did and saw; printed after the test (visible with -s)."""
+    kept = Transcript()
+    yield kept
+    print("\n" + kept.text(request.node.name), flush=True)
+
+
+@pytest.fixture
+def aws_device(services, tmp_path, transcript):
     """aws_device() -> (Device, SdkDevice): a new aws-iot-jobs device, connected with the SDK
     (over mTLS with its certificate where the broker has a certificate listener)."""
     made = []
 
     def make():
         device = DeviceFactory(protocol=DeviceProtocol.AWS_IOT_JOBS)
-        sdk = SdkDevice(device.name, sdk_connection(services, device, tmp_path / device.name))
+        connection, how = sdk_connection(services, device, tmp_path / device.name)
+        sdk = SdkDevice(device.name, connection, transcript=transcript, how=how)
         made.append(sdk)
         return device, sdk
 
@@ -84,7 +108,7 @@ def run_started_on(sdk, device, **step_fields):
 
 
 def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
-    stack, services, aws_device, manual_device
+    stack, services, aws_device, manual_device, transcript
 ):
     # given an AWS IoT Jobs device (logged in with its certificate where the broker has an
     # mTLS listener: it has no password), and an iotqueue device working at the same time
@@ -97,6 +121,11 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     other = DeviceFactory()
     hand = manual_device(other.name)
     beside, _ = run_start(template=template_with_steps((other, "noop", {})))
+    transcript.note(
+        "iotqueue",
+        f"runs started: {first.pk} (firmware/update) and {second.pk} (reboot) on "
+        f"{device.name}; {beside.pk} (noop) on {other.name}, an iotqueue v1.1 device with a password",
+    )
 
     # when the first run's step is dispatched, notify-next wakes the device with it
     woken = sdk.next("notify-next").execution
@@ -127,8 +156,13 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     assert step.status == StepStatus.IN_PROGRESS
 
     # and reports progress at the version it knows, then success
-    sdk.update(step.command_id, "IN_PROGRESS", expected_version=2, status_details={"progress": "50"},
-               include_job_execution_state=True)  # fmt: skip
+    sdk.update(
+        step.command_id,
+        "IN_PROGRESS",
+        expected_version=2,
+        status_details={"progress": "50"},
+        include_job_execution_state=True,
+    )
     progressed = sdk.next("update/accepted")
     assert (
         progressed.execution_state.status == "IN_PROGRESS" and progressed.execution_state.version_number == 3
@@ -140,6 +174,7 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     wait_for(lambda: run_status(first) == RunStatus.SUCCEEDED, what="the first run succeeded")
     step.refresh_from_db()
     assert step.status == StepStatus.SUCCEEDED and step.result == {"firmware": "2.1"}
+    transcript.note("iotqueue", f"run {first.pk} SUCCEEDED, step result {step.result}; run {second.pk} next")
 
     # and the second run is the next execution, run the same way
     following = sdk.next("notify-next").execution
@@ -149,12 +184,14 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
     sdk.update(following.job_id, "SUCCEEDED")
     sdk.next("update/accepted")
     wait_for(lambda: run_status(second) == RunStatus.SUCCEEDED, what="the second run succeeded")
+    transcript.note("iotqueue", f"run {second.pk} SUCCEEDED (it started only after run {first.pk} ended)")
 
     # and a stale update of the first execution is refused, and recorded as protocol v1's are
     sdk.update(step.command_id, "SUCCEEDED", client_token="late")
     refused = sdk.next("update/rejected")
     assert refused.code == "TerminalStateReached" and refused.client_token == "late"
     wait_for(lambda: RunEvent.objects.filter(kind="reply.stale", step_run=step).exists(), what="stale event")
+    transcript.note("iotqueue", f"run {first.pk}'s timeline: reply.stale recorded for the late update")
 
     # and nothing is left to start
     sdk.start_next(client_token="empty")
@@ -163,11 +200,15 @@ def test_an_sdk_device_lists_starts_and_completes_its_runs_one_after_the_other(
 
     # and the iotqueue device's run, beside it all along, works as ever
     command = hand.next_command()
+    transcript.note(other.name, f"<- {command['action']} command {command['id']} (protocol v1.1), -> done ok")
     hand.done(command["id"])
     wait_for(lambda: run_status(beside) == RunStatus.SUCCEEDED, what="the iotqueue device's run succeeded")
+    transcript.note(
+        "iotqueue", f"run {beside.pk} on the password device SUCCEEDED, untouched by the AWS device"
+    )
 
 
-def test_a_rejected_execution_ends_its_step_rejected_without_retry(stack, aws_device):
+def test_a_rejected_execution_ends_its_step_rejected_without_retry(stack, aws_device, transcript):
     # given an execution started on an AWS IoT Jobs device, of a step allowed three attempts
     device, sdk = aws_device()
     run, job = run_started_on(sdk, device, max_attempts=3)
@@ -180,9 +221,12 @@ def test_a_rejected_execution_ends_its_step_rejected_without_retry(stack, aws_de
     wait_for(lambda: run_status(run) == RunStatus.FAILED, what="the run failed")
     step = StepRun.objects.get(run=run)
     assert step.status == StepStatus.REJECTED and step.attempt == 1
+    transcript.note(
+        "iotqueue", f"run {run.pk} FAILED: step {step.status} on attempt {step.attempt} of 3, not retried"
+    )
 
 
-def test_updates_that_answer_nothing_current_are_refused_with_aws_codes(stack, aws_device):
+def test_updates_that_answer_nothing_current_are_refused_with_aws_codes(stack, aws_device, transcript):
     # given an execution in progress on an AWS IoT Jobs device
     device, sdk = aws_device()
     run, _ = run_start(template=template_with_steps((device, "firmware/update", {})))
@@ -210,13 +254,28 @@ def test_updates_that_answer_nothing_current_are_refused_with_aws_codes(stack, a
     described = sdk.next("describe/accepted").execution
     assert described.status == "IN_PROGRESS" and described.job_document["action"] == "firmware/update"
 
+    # when it updates an execution still queued behind this one, before starting it
+    behind, _ = run_start(template=template_with_steps((device, "reboot", {})))
+    (queued,) = sdk.next("notify").jobs["QUEUED"]
+    sdk.update(queued.job_id, "SUCCEEDED", client_token="early")
+    # then InvalidStateTransition
+    early = sdk.next("update/rejected")
+    assert early.code == "InvalidStateTransition" and early.client_token == "early"
+
     # then none of that moved the step: it still succeeds
     sdk.update(job.job_id, "SUCCEEDED")
     sdk.next("update/accepted")
     wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded")
+    transcript.note("iotqueue", f"run {run.pk} SUCCEEDED: the refused updates moved nothing")
+    # and the queued run's step, untouched by the early update, runs when it is next
+    following = sdk.next("notify-next").execution
+    sdk.start_next()
+    sdk.next("start-next/accepted")
+    sdk.update(following.job_id, "SUCCEEDED")
+    wait_for(lambda: run_status(behind) == RunStatus.SUCCEEDED, what="the queued run succeeded")
 
 
-def test_a_canceled_execution_leaves_the_list_and_its_update_is_refused(stack, aws_device):
+def test_a_canceled_execution_leaves_the_list_and_its_update_is_refused(stack, aws_device, transcript):
     # given an execution started on an AWS IoT Jobs device
     device, sdk = aws_device()
     run, _ = run_start(template=template_with_steps((device, "firmware/update", {})))
@@ -226,6 +285,7 @@ def test_a_canceled_execution_leaves_the_list_and_its_update_is_refused(stack, a
 
     # when its run is canceled
     run_cancel(run=run, by="test")
+    transcript.note("iotqueue", f"run {run.pk} canceled by the operator")
 
     # then the device is told what is pending now: nothing
     assert sdk.next("notify").jobs in (None, {})
@@ -258,7 +318,7 @@ def test_an_aws_device_cannot_listen_to_another_things_jobs(stack, services):
     assert not own[0].is_failure and foreign[0].is_failure
 
 
-def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack, services):
+def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack, services, transcript):
     # given an AWS IoT Jobs device using the SDK's v2 client (IotJobsClientV2), which
     # subscribes to .../accepted|rejected as `+` and matches answers by their clientToken
     # (over its password, so that both ways in are run with the SDK)
@@ -300,11 +360,20 @@ def test_the_sdks_request_response_client_gets_its_answers_by_client_token(stack
         with pytest.raises(V2ServiceException) as refused:
             late.result(15)
         assert refused.value.modeled_error.code == "TerminalStateReached"
+        document = started.execution.job_document
+        for line in (
+            "IotJobsClientV2, logged in with its password",
+            f"get -> queuedJobs=[{job_id}]",
+            f"start-next -> {job_id} document={{action: {document['action']}, args: {document['args']}}}",
+            f"{job_id}/update SUCCEEDED -> accepted; run {run.pk} SUCCEEDED",
+            f"{job_id}/update FAILED (late) -> V2ServiceException {refused.value.modeled_error.code}",
+        ):
+            transcript.note(device.name, line)
     finally:
         connection.disconnect().result(15)
 
 
-def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_device):
+def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_device, transcript):
     # given an execution of a step allowed two attempts, started on an AWS IoT Jobs device
     device, sdk = aws_device()
     run, first = run_started_on(sdk, device, max_attempts=2, backoff_seconds=0)
@@ -319,15 +388,17 @@ def test_a_failed_execution_is_retried_as_a_new_execution_number(stack, aws_devi
     sdk.start_next()
     sdk.update(again.job_id, "SUCCEEDED")
     wait_for(lambda: run_status(run) == RunStatus.SUCCEEDED, what="the run succeeded on its second attempt")
+    transcript.note("iotqueue", f"run {run.pk} SUCCEEDED on its second attempt")
 
 
-def test_one_things_flood_of_requests_does_not_hold_up_another_things_answers(stack, aws_device):
+def test_one_things_flood_of_requests_does_not_hold_up_another_things_answers(stack, aws_device, transcript):
     # given two AWS IoT Jobs devices
     _, flooding = aws_device()
     _, quiet = aws_device()
 
     # when one sends a thousand get requests at once
     sent = 1000
+    flooding.note(f"-> get x {sent} at QoS 0, as fast as the SDK sends them")
     for n in range(sent):
         flooding.connection.publish(
             f"$aws/things/{flooding.name}/jobs/get", b'{"clientToken": "%d"}' % n, QOS0
@@ -339,3 +410,4 @@ def test_one_things_flood_of_requests_does_not_hold_up_another_things_answers(st
     # and the flood beyond its device's budget was dropped, and said so on the timeline
     dropped = RunEvent.objects.filter(kind="message.dropped", device=flooding.name)
     wait_for(dropped.exists, what="the flood's dropped-message summary")
+    transcript.note("iotqueue", f"{flooding.name}'s timeline: {dropped.first().message}")
