@@ -78,6 +78,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--connections", type=int, default=24, help="MQTT connections of the simulator")
     parser.add_argument("--heartbeat-seconds", type=float, default=60.0, help="per device (0: none)")
     parser.add_argument("--timeout-seconds", type=float, default=900.0, help="limit for each run")
+    parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=STALL_SECONDS,
+        help="give a run up when no device ended for this long (its start counts)",
+    )
     parser.add_argument("--skip-kill", action="store_true", help="only the undisturbed run")
     parser.add_argument(
         "--presence-only", action="store_true", help="bring the fleet online, report presence, run no fan-out"
@@ -324,7 +330,9 @@ class BridgeKill:
         return {"bridge": self.name, "at_devices_succeeded": self.at_devices, "back_after_s": self.back_after}
 
 
-def run_drive(run, total: int, *, timeout: float, kill: BridgeKill | None) -> tuple[dict[str, int], str]:
+def run_drive(
+    run, total: int, *, timeout: float, stall: float = STALL_SECONDS, kill: BridgeKill | None
+) -> tuple[dict[str, int], str]:
     """Poll the run's rows until it is terminal; returns (rows by status, how it ended)."""
     started = time.monotonic()
     last_progress = last_change = started
@@ -346,8 +354,8 @@ def run_drive(run, total: int, *, timeout: float, kill: BridgeKill | None) -> tu
             return counts, "terminal"
         if now - started > timeout:
             return counts, f"timeout after {timeout:.0f} s"
-        if now - last_change > STALL_SECONDS:
-            return counts, f"stalled: no device ended for {STALL_SECONDS:.0f} s"
+        if now - last_change > stall:
+            return counts, f"stalled: no device ended for {stall:.0f} s"
         time.sleep(POLL_SECONDS)
 
 
@@ -380,7 +388,9 @@ def fleet_run(
     with Sampler(lambda: process_pids(stack), interval=SAMPLE_SECONDS) as sampler:
         started_wall = time.time()
         run, _ = run_start(template=template, trigger="cli", triggered_by=f"fleet-{tag}")
-        counts, ending = run_drive(run, total, timeout=args.timeout_seconds, kill=killer)
+        counts, ending = run_drive(
+            run, total, timeout=args.timeout_seconds, stall=args.stall_seconds, kill=killer
+        )
         cpu_after = cpu_sample(stack.cpu_roots())
     run.refresh_from_db()
     elapsed = round(time.time() - started_wall, 1)
