@@ -178,6 +178,7 @@ def reconcile() -> int:
     )
     for run_id in cursorless:
         current_app.signature(RUN_ADVANCE_TASK, args=(str(run_id),)).apply_async(argsrepr=f"runs=[{run_id}]")
+    unpumped = fanouts_unpumped(started_before=now - grace)
     # Continuous fan-outs past their end-by whose `fanout_close` deadline was lost.
     closed = fanouts_overdue_close(before=now - grace)
     # Rollouts in waves whose soak ended but whose `soak` deadline was lost, and rollouts
@@ -188,16 +189,43 @@ def reconcile() -> int:
     gates = gates_unanswered(before=now - unanswered)
     for run in JobRun.objects.filter(status=RunStatus.COMPENSATING, started_at__lt=now - grace)[:CLAIM_BATCH]:
         compensation_next(run=run)  # no-op while a compensation is active; resumes a lost one
-    if overdue or unstarted or moved or expired or closed or soaks or gates:
+    if overdue or unstarted or moved or unpumped or expired or closed or soaks or gates:
         log.warning(
-            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d runs past max_duration, "
-            "%d continuous fan-outs past their end-by, %d soaks over, %d webhook gates asked again",
+            "reconcile: %d overdue steps, %d unstarted runs, %d stalled runs, %d fan-outs pumped again, "
+            "%d runs past max_duration, %d continuous fan-outs past their end-by, %d soaks over, "
+            "%d webhook gates asked again",
             len(overdue),
             len(unstarted),
             moved,
+            unpumped,
             len(expired),
             closed,
             soaks,
             gates,
         )
-    return len(overdue) + len(unstarted) + moved + len(expired) + closed + soaks + gates
+    return len(overdue) + len(unstarted) + moved + unpumped + len(expired) + closed + soaks + gates
+
+
+def fanouts_unpumped(*, started_before) -> int:
+    """Running fan-outs whose rows at the cursor wait `pending` with none at work: their
+    pump was lost (a start cut after its rows committed, a `pump` deadline lost with
+    Redis). Each gets its `pump` deadline due now; the pump itself finds its rate window
+    and its rollout's state (paused, soaking, at a gate), so a fan-out that waits on
+    purpose waits on. Returns how many."""
+    at_cursor = StepRun.objects.filter(run=OuterRef("pk"), phase=Phase.FORWARD, index=OuterRef("cursor"))
+    pending = at_cursor.filter(status=StepStatus.PENDING)
+    at_work = at_cursor.filter(status__in=STEP_AT_WORK)
+    runs = (
+        JobRun.objects.filter(status=RunStatus.RUNNING, started_at__lt=started_before)
+        .filter(Exists(pending))
+        .filter(~Exists(at_work))
+        .values_list("pk", "cursor")[:CLAIM_BATCH]
+    )
+    due = {}
+    for run_id, cursor in runs:
+        rows = StepRun.objects.filter(run_id=run_id, phase=Phase.FORWARD, index=cursor)
+        first = rows.filter(status=StepStatus.PENDING).order_by("pk").values_list("pk", flat=True).first()
+        if first is not None:
+            due[Deadline("pump", first, 0)] = timezone.now()
+    deadlines_set(due)
+    return len(due)

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from . import aws_requests, beat, cancel, canvas, current, inbox, monitor, presence, retention, services
 from .deadlines import Deadline
-from .engine import batch, continuous, due, taskstep
+from .engine import batch, continuous, due, fanout, taskstep
 from .engine.publish import Publications
 from .models import JobRun
 
@@ -152,6 +152,16 @@ def devices_presence_task(changes: list[list]) -> None:
 @shared_task(base=EngineTask, name=continuous.JOIN_TASK)  # sent on commit when devices changed
 def fanout_join_task(device_ids: list[int]) -> int:
     return continuous.fanouts_join(device_ids)
+
+
+@shared_task(
+    base=EngineTask,
+    name=fanout.FANOUT_START_TASK,
+    soft_time_limit=fanout.FANOUT_START_SOFT_SECONDS,
+    time_limit=fanout.FANOUT_START_HARD_SECONDS,
+)
+def fanout_start_task(run_id: str, index: int) -> None:
+    fanout.fanout_expand(run_id=run_id, index=index)
 
 
 @shared_task(base=EngineTask, name="jobs.run_cancel")

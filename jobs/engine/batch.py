@@ -422,10 +422,15 @@ def run_step_enter(*, run: JobRun, index: int) -> None:
     try:
         step_start(run=run, index=index)
     except StepRefused as refused:
-        event_record("step.failed", run=run, device=refused.device, message=str(refused), index=index)
-        step_done_apply(
-            str(run.pk), index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {refused}"
-        )
+        step_refused_apply(run, index, refused)
+
+
+def step_refused_apply(run: JobRun, index: int, refused: StepRefused) -> None:
+    """A step that could not start (no such device, a reference with no value, no device
+    matching a fan-out) fails at once: `step.failed` with the reason, and its failure
+    policy decides the run (a planned transition)."""
+    event_record("step.failed", run=run, device=refused.device, message=str(refused), index=index)
+    step_done_apply(str(run.pk), index, ok=False, status=StepStatus.FAILED, error=f"step {index}: {refused}")
 
 
 def _policy(*, run: JobRun, policy: str, error: str) -> None:

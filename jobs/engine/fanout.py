@@ -23,6 +23,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count
@@ -38,10 +39,11 @@ from ..models import (
     Phase,
     Rollout,
     RolloutState,
+    RunStatus,
     StepRun,
     StepStatus,
 )
-from .batch import rows_start, step_done_apply
+from .batch import rows_start, step_done_apply, step_refused_apply
 from .continuous_open import fanout_open
 from .kinds import deadline_handler, step_kind
 from .plan import FANOUT, args_renderer, fanout_devices, fanout_target
@@ -56,6 +58,13 @@ from .rollout_pace import (
 )
 from .start import StepRefused
 from .waves import WAVES_EXPANDED_MAX, wave_name, waves_expand
+
+# The task that makes a fan-out's rows (jobs/tasks.py), and its time limits: sized for
+# IOTQUEUE_FANOUT_MAX_DEVICES rows on a small, busy machine (100,000 took about 40 s on two
+# shared cores), not for the engine's other tasks (CELERY_TASK_SOFT_TIME_LIMIT).
+FANOUT_START_TASK = "jobs.fanout_start"
+FANOUT_START_SOFT_SECONDS = 600
+FANOUT_START_HARD_SECONDS = 660
 
 # The wave of a retry's carried rows (succeeded in the run it retries): past any real wave
 # (a rollout has at most WAVES_EXPANDED_MAX), so no wave's condition counts them.
@@ -82,9 +91,35 @@ def fanout_rollout(run: JobRun, index: int) -> Rollout | None:
 # undoes it on each device that succeeded (jobs/engine/fanout_rollback.py).
 @step_kind(FANOUT, batched_dispatch=True)
 def fanout_start(run: JobRun, index: int) -> None:
+    """A fan-out step starts in a task of its own (`fanout_expand`), after the commit of
+    the transition that reached it: expanding 100,000 devices into rows takes tens of
+    seconds, which must hold up neither the inbox's drain (every other device's replies)
+    nor fit its time limit."""
+    task = current_app.signature(FANOUT_START_TASK, kwargs={"run_id": str(run.pk), "index": index})
+    transaction.on_commit(partial(task.apply_async, argsrepr=f"runs=[{run.pk}], step={index}"))
+
+
+def fanout_expand(*, run_id: str, index: int) -> None:
+    """The `jobs.fanout_start` task: make the fan-out's rows (`fanout_rows_make`) and pump,
+    under the run's row lock, so that a second start of the same step (a redelivered task,
+    the monitor's sweep) waits for the first and then only pumps; the rows, their event
+    and the first pump commit together or not at all. A refused step fails at once."""
+    run = None
+    try:
+        with transaction.atomic():
+            run = JobRun.objects.select_for_update().filter(pk=run_id).first()
+            if run is None or run.status != RunStatus.RUNNING or run.cursor != index:
+                return  # ended, canceled or moved on meanwhile
+            fanout_rows_make(run, index)
+    except StepRefused as refused:  # (nothing of the step was written)
+        step_refused_apply(run, index, refused)
+
+
+def fanout_rows_make(run: JobRun, index: int) -> None:
     """Expand the step into one pending row per device, then pump; StepRefused when none
     match (a step targeting an earlier fan-out's devices by outcome succeeds when there are
-    none, event `step.fanout_empty`)."""
+    none, event `step.fanout_empty`). Rows made before (a second start, a retry's carried
+    rows) are pumped, not made again."""
     spec = run.plan[index]
     # Started before (a redelivered task; a continuous one may have no row yet): just pump.
     if spec.get("continuous") and ContinuousFanout.objects.filter(run=run, index=index).exists():

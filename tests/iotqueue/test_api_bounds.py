@@ -10,7 +10,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from devices.models import DeviceGroup
-from jobs.engine.fanout import fanout_start
+from jobs.engine.fanout import fanout_rows_make
 from jobs.engine.start import StepRefused
 from jobs.models import JobRun, JobStep, JobTemplate, StepRun
 from jobs.services import run_start
@@ -112,7 +112,7 @@ def test_a_fanout_step_over_the_device_limit_fails_without_rows(settings):
 
     # when the step starts, then it is refused, naming the limit, and wrote no row
     with pytest.raises(StepRefused, match=r"3 devices match group lamps.*IOTQUEUE_FANOUT_MAX_DEVICES \(2\)"):
-        fanout_start(run, 0)
+        fanout_rows_make(run, 0)
     assert not StepRun.objects.filter(run=run).exists()
 
 

@@ -4,13 +4,16 @@ published together; rows whose device is busy, offline or flow-controlled wait t
 as any step does."""
 
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from devtools.simulator import DeviceBehaviour
 from jobs.engine import fanout
 from jobs.models import JobRun, RunEvent, RunStatus, StepRun, StepStatus
+from jobs.monitor import fanouts_unpumped
 from jobs.services import run_start
 from tests.conftest import wait_for
 from tests.factories import DeviceFactory, JobStepFactory, template_with_steps
@@ -82,3 +85,27 @@ def test_a_large_fanout_has_its_rows_table_analyzed_at_once():
     before = last_analyze()
     fanout._statistics_refresh(fanout.FANOUT_ANALYZE_ROWS)
     wait_for(lambda: last_analyze() is not None and last_analyze() != before, what="the table analyzed")
+
+
+def test_a_running_fanout_whose_rows_all_wait_pending_is_pumped_by_the_monitors_sweep(stack, simulator):
+    # given a running fan-out whose rows were made but never pumped (its start was cut right
+    # after they committed: no pump, no `pump` deadline), nothing at work
+    label = f"unpumped-{uuid.uuid4().hex[:6]}"
+    fleet = [DeviceFactory(name=f"{label}-{i}", labels={"kind": label}) for i in range(3)]
+    sim = simulator({d.name: DeviceBehaviour() for d in fleet})
+    step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/check")
+    later = timezone.now() + timedelta(hours=1)
+    run, _ = run_start(template=step.template, not_before=later)
+    an_hour_ago = timezone.now() - timedelta(hours=1)
+    JobRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, started_at=an_hour_ago)
+    StepRun.objects.bulk_create(
+        [StepRun(run=run, index=0, device=d, action="firmware/check", args={}) for d in fleet]
+    )
+
+    # when the monitor's database sweep runs
+    pumped = fanouts_unpumped(started_before=timezone.now())
+
+    # then it set the fan-out's pump due, and the pump started every row: the run succeeds
+    assert pumped >= 1
+    assert wait_for(lambda: finished(run), timeout=60).status == RunStatus.SUCCEEDED
+    assert sorted(c["action"] for d in fleet for c in sim.received(d.name)) == ["firmware/check"] * 3
