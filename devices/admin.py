@@ -24,7 +24,7 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.forms import JSON_FORMFIELD_OVERRIDES
 from iotqueue.moments import moment_html
 
-from .certificates import AuthorityUnavailable, NameUnfit
+from .certificate_rules import AuthorityUnavailable, NameUnfit
 from .credentials import (
     CredentialsUnavailable,
     IssuedCertificate,

@@ -20,7 +20,7 @@ from iotqueue.dynsec import DynsecError
 from iotqueue.mqtt import broker_address
 from iotqueue.names import URL_NAME_LOOKUP_REGEX
 
-from .certificates import AuthorityUnavailable, CsrRefused, NameUnfit
+from .certificate_rules import AuthorityUnavailable, CsrRefused, NameUnfit
 from .credentials import (
     CredentialsUnavailable,
     IdentityForeign,

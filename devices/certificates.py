@@ -21,6 +21,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.utils.translation import gettext as _
 
+from .certificate_rules import CSR_MAX_CHARS, AuthorityUnavailable, CsrRefused
+
 # The smallest RSA key accepted in a CSR: NIST SP 800-57 retired 1024-bit RSA in 2013.
 RSA_MIN_BITS = 2048
 # Elliptic curves accepted in a CSR: those every TLS stack (and AWS IoT) takes, 128-bit or stronger.
@@ -28,35 +30,6 @@ EC_CURVES = (ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)
 # A certificate starts a little in the past: a device whose clock runs a few minutes behind
 # must not refuse a certificate made just now.
 CLOCK_SKEW = datetime.timedelta(minutes=5)
-# The longest common name a certificate holds (X.520 ub-common-name): a longer device name
-# (names may have 128 characters) cannot be a certificate's CN, so such a device gets none.
-COMMON_NAME_MAX_LENGTH = 64
-# The largest CSR read (PEM text): a 4096-bit RSA request is ~1.7 KB; anything far bigger is not one.
-CSR_MAX_CHARS = 16 * 1024
-
-
-class AuthorityUnavailable(RuntimeError):
-    """No device CA is configured, or its files cannot be read: nothing can be signed."""
-
-
-class NameUnfit(ValueError):
-    """The device's name cannot be a certificate's CN (longer than COMMON_NAME_MAX_LENGTH)."""
-
-
-def common_name_check(name: str) -> None:
-    """Raise NameUnfit (translated message) when `name` cannot be a certificate's CN."""
-    if len(name) > COMMON_NAME_MAX_LENGTH:
-        raise NameUnfit(
-            _(
-                "a certificate's common name holds at most %(max)d characters and this device's name "
-                "has %(length)d: rename the device to give it a certificate"
-            )
-            % {"max": COMMON_NAME_MAX_LENGTH, "length": len(name)}
-        )
-
-
-class CsrRefused(ValueError):
-    """A certificate signing request iotqueue will not sign (the message says why, translated)."""
 
 
 @dataclass(frozen=True)

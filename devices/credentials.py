@@ -28,7 +28,7 @@ import datetime
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db.models.signals import post_delete, post_save, pre_save
@@ -37,9 +37,13 @@ from django.utils.translation import gettext as _
 from iotqueue.dynsec import ALREADY, MANAGED_MARK, DynsecError, control, managed_by_iotqueue, password_new
 from iotqueue.mqtt import broker_address
 
-from . import aws_jobs, certificates, protocol
+from . import aws_jobs, protocol
+from .certificate_rules import AuthorityUnavailable, common_name_check
 from .models import Device
 from .profiles import DeviceProtocol
+
+if TYPE_CHECKING:
+    from .certificates import Authority
 
 log = logging.getLogger(__name__)
 
@@ -415,8 +419,8 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
     fingerprint and end of validity. The device's broker identity is written first, so the
     certificate works at once on the mTLS listener, confined by the device's role.
     How it fails: CredentialsUnavailable when identities are not managed here;
-    certificates.AuthorityUnavailable when no device CA is configured or readable;
-    certificates.CsrRefused for a CSR of another name or a weak key; certificates.NameUnfit
+    AuthorityUnavailable when no device CA is configured or readable;
+    CsrRefused for a CSR of another name or a weak key; NameUnfit
     when the device's name is too long for a certificate; DynsecError when the
     broker refuses or cannot be reached. Nothing is issued or stored in any of these cases.
     """
@@ -425,7 +429,11 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
             _("this deployment's broker does not take device identities from iotqueue")
             + " (IOTQUEUE_MQTT_AUTH=none)"
         )
-    certificates.common_name_check(device.name)
+    common_name_check(device.name)
+    # Signing needs `cryptography` (about 17 MB a process): loaded by the process that issues
+    # a certificate, not by every bridge and worker (devices/certificate_rules.py).
+    from . import certificates
+
     authority = certificates.authority_load(settings.IOTQUEUE_DEVICE_CA_CERT, settings.IOTQUEUE_DEVICE_CA_KEY)
     key = None
     if csr_pem is None:
@@ -457,10 +465,10 @@ def device_certificate_issue(device: Device, *, csr_pem: str | None = None) -> I
     return issued
 
 
-def _broker_ca_pem(authority: certificates.Authority) -> str:
+def _broker_ca_pem(authority: Authority) -> str:
     """The CA a device verifies the broker with: IOTQUEUE_BROKER_CA_CERT, or the device CA.
 
-    How it fails: certificates.AuthorityUnavailable when the configured file cannot be read.
+    How it fails: AuthorityUnavailable when the configured file cannot be read.
     """
     path = settings.IOTQUEUE_BROKER_CA_CERT
     if not path:
@@ -468,6 +476,6 @@ def _broker_ca_pem(authority: certificates.Authority) -> str:
     try:
         return Path(path).read_text()
     except OSError as exc:
-        raise certificates.AuthorityUnavailable(
+        raise AuthorityUnavailable(
             _("the broker's CA certificate cannot be read: %(error)s") % {"error": exc}
         ) from None

@@ -8,7 +8,7 @@ from rest_framework import serializers
 from iotqueue.api import BoundedModelSerializer
 from iotqueue.mqtt import broker_address
 
-from .certificates import CSR_MAX_CHARS
+from .certificate_rules import CSR_MAX_CHARS
 from .credentials import IdentityForeign, identity_conflict
 from .models import Device, DeviceGroup, labels_validate, quiet_hours_problem
 from .profiles import DeviceProtocol

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 
 import pytest
 from cryptography import x509
@@ -132,3 +135,18 @@ def test_the_dev_ca_is_a_ca_valid_now(authority):
     now = datetime.datetime.now(datetime.UTC)
     assert authority.certificate.not_valid_before_utc < now < authority.certificate.not_valid_after_utc
     assert authority.certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+
+def test_a_process_that_never_signs_does_not_load_x509():
+    # The bridge and the workers load every app (the admin included) but sign nothing:
+    # `cryptography`'s X.509 and key code (about 10 MB a process) stays out of them.
+    code = (
+        "import sys, django; django.setup(); "
+        "import iotqueue.bridge, jobs.tasks, devices.admin, devices.api; "
+        "print(sorted(m for m in sys.modules if m.startswith('cryptography.')))"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "iotqueue.settings", "DEBUG": "true"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stderr
+    assert "cryptography.x509" not in done.stdout and "cryptography.hazmat" not in done.stdout, done.stdout
