@@ -101,15 +101,17 @@ def fanout_start(run: JobRun, index: int) -> None:
 
 def fanout_expand(*, run_id: str, index: int) -> None:
     """The `jobs.fanout_start` task: make the fan-out's rows (`fanout_rows_make`) and pump,
-    under the run's row lock, so that a second start of the same step (a redelivered task,
-    the monitor's sweep) waits for the first and then only pumps; the rows, their event
-    and the first pump commit together or not at all. A refused step fails at once."""
+    under the run's row lock; the rows, their event and the first pump commit together or
+    not at all. A second start of the same step while the first still works (the monitor's
+    sweep sees no row yet) does nothing rather than hold a worker waiting for that lock: if
+    the first is cut, the sweep starts the step again. A refused step fails at once."""
     run = None
     try:
         with transaction.atomic():
-            run = JobRun.objects.select_for_update().filter(pk=run_id).first()
+            # (SQLite takes no row lock: its one writer at a time serializes the two starts.)
+            run = JobRun.objects.select_for_update(skip_locked=True).filter(pk=run_id).first()
             if run is None or run.status != RunStatus.RUNNING or run.cursor != index:
-                return  # ended, canceled or moved on meanwhile
+                return  # being started by another task, ended, canceled or moved on meanwhile
             fanout_rows_make(run, index)
     except StepRefused as refused:  # (nothing of the step was written)
         step_refused_apply(run, index, refused)

@@ -3,11 +3,12 @@ one lock call for the rows, the granted ones dispatched in one transaction, thei
 published together; rows whose device is busy, offline or flow-controlled wait their turn
 as any step does."""
 
+import threading
 import uuid
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from devtools.simulator import DeviceBehaviour
@@ -109,3 +110,40 @@ def test_a_running_fanout_whose_rows_all_wait_pending_is_pumped_by_the_monitors_
     assert pumped >= 1
     assert wait_for(lambda: finished(run), timeout=60).status == RunStatus.SUCCEEDED
     assert sorted(c["action"] for d in fleet for c in sim.received(d.name)) == ["firmware/check"] * 3
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks (SQLite has one writer at a time)")
+def test_a_second_start_of_a_fanout_while_the_first_works_does_nothing_and_holds_no_worker(stack):
+    # given a running run at a fan-out step whose start holds the run's row lock (the first
+    # start, still expanding the step), in another connection
+    label = f"second-{uuid.uuid4().hex[:6]}"
+    for i in range(3):
+        DeviceFactory(name=f"{label}-{i}", labels={"kind": label})
+    step = JobStepFactory(device=None, labels={"kind": label}, action="firmware/check")
+    run, _ = run_start(template=step.template, not_before=timezone.now() + timedelta(hours=1))
+    JobRun.objects.filter(pk=run.pk).update(status=RunStatus.RUNNING, started_at=timezone.now())
+    locked, second_done = threading.Event(), threading.Event()
+
+    def first_start() -> None:
+        try:
+            with transaction.atomic():
+                JobRun.objects.select_for_update().get(pk=run.pk)
+                locked.set()
+                second_done.wait(timeout=30)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=first_start)
+    holder.start()
+    assert locked.wait(timeout=30)
+
+    # when a second start comes meanwhile (the monitor's sweep saw no row yet)
+    fanout.fanout_expand(run_id=str(run.pk), index=0)
+    second_done.set()
+    holder.join(timeout=30)
+
+    # then it returned at once, with the lock still held elsewhere, and made nothing
+    assert not StepRun.objects.filter(run=run).exists()
+    # and a start once the first is gone makes the rows
+    fanout.fanout_expand(run_id=str(run.pk), index=0)
+    assert StepRun.objects.filter(run=run).count() == 3
