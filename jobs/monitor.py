@@ -39,6 +39,8 @@ from .models import (
     EndBehaviour,
     JobRun,
     Phase,
+    Rollout,
+    RolloutState,
     RunStatus,
     StepRun,
     StepStatus,
@@ -209,16 +211,21 @@ def reconcile() -> int:
 def fanouts_unpumped(*, started_before) -> int:
     """Running fan-outs whose rows at the cursor wait `pending` with none at work: their
     pump was lost (a start cut after its rows committed, a `pump` deadline lost with
-    Redis). Each gets its `pump` deadline due now; the pump itself finds its rate window
-    and its rollout's state (paused, soaking, at a gate), so a fan-out that waits on
-    purpose waits on. Returns how many."""
+    Redis). Each gets its `pump` deadline due now; the pump itself finds its rate window.
+    A rollout in waves that is not running (paused, soaking, at a gate) waits on purpose
+    and is not asked: a rollout awaiting approval for days costs no pump per sweep.
+    Returns how many."""
     at_cursor = StepRun.objects.filter(run=OuterRef("pk"), phase=Phase.FORWARD, index=OuterRef("cursor"))
     pending = at_cursor.filter(status=StepStatus.PENDING)
     at_work = at_cursor.filter(status__in=STEP_AT_WORK)
+    waiting_rollout = Rollout.objects.filter(run=OuterRef("pk"), index=OuterRef("cursor")).exclude(
+        state=RolloutState.RUNNING
+    )
     runs = (
         JobRun.objects.filter(status=RunStatus.RUNNING, started_at__lt=started_before)
         .filter(Exists(pending))
         .filter(~Exists(at_work))
+        .filter(~Exists(waiting_rollout))
         .values_list("pk", "cursor")[:CLAIM_BATCH]
     )
     due = {}
